@@ -1,0 +1,1 @@
+"""Attention functions registered with transformers' ``AttentionInterface`` (AdaCal and baselines)."""

@@ -1,0 +1,1 @@
+"""Lightning Callbacks, one per file, drop-in for any ``Trainer`` (profilers, monitors)."""

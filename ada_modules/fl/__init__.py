@@ -1,0 +1,1 @@
+"""Federated-learning simulation: clients, aggregators and attacks (ASAP)."""

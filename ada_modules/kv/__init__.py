@@ -1,0 +1,1 @@
+"""KV caches for transformers' ``generate`` (``Cache`` subclasses: AdaKVQ, ADKV and their baselines)."""

@@ -1,0 +1,1 @@
+"""Model merging methods and their baselines (AMARIS)."""

@@ -1,0 +1,1 @@
+"""Plain ``nn.Module`` building blocks usable without Lightning (residual connectivity, NCA cells, ...)."""

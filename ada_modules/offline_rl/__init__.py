@@ -1,0 +1,1 @@
+"""Offline reinforcement learning (AIQL / A2IQL)."""

@@ -1,0 +1,1 @@
+"""``torch.optim.Optimizer`` subclasses, their reference baselines and param-group helpers."""

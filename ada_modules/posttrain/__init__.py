@@ -1,0 +1,1 @@
+"""Post-training objectives: advantages, distillation targets, environments (AVSD, AEM, ABC-Align)."""

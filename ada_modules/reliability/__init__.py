@@ -1,0 +1,1 @@
+"""Reliability operators and the cost-aware router."""

@@ -1,0 +1,1 @@
+"""Activation steering (AMPS)."""

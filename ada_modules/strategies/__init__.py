@@ -1,0 +1,1 @@
+"""Lightning Strategies (e.g. AdERA's compressed FSDP2 all-gather)."""

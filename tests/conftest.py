@@ -1,0 +1,28 @@
+"""Shared pytest set-up: the Triton interpreter on CPU machines, markers and a seed fixture."""
+
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported, so set it before anything imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from lightning.pytorch import seed_everything  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def seed() -> int:
+    """Seed python, numpy and torch (all devices) with a fixed value and return it."""
+    seed_everything(1234, workers=True, verbose=False)
+    return 1234
