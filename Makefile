@@ -1,0 +1,38 @@
+# Every target creates .venv and installs the package (editable, with the test and docs extras,
+# pinned by constraints.txt) when that has not been done yet, so each works on a fresh clone.
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+QUICKSTART := cli_configs/quickstart.yaml
+
+.PHONY: install demo test test-slow docs bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || python3 -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,docs]'
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/ada fit -c $(QUICKSTART)
+	$(BIN)/ada test -c $(QUICKSTART) --ckpt_path last
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -m "not slow"
+
+test-slow: install
+	$(BIN)/pytest -m slow
+
+docs: install
+	$(BIN)/mkdocs build --strict
+
+bench: install
+	@test -n "$(NAME)" || { echo "usage: make bench NAME=<technique slug>"; exit 2; }
+	@test -f bench/$(NAME).py || { echo "no benchmark script bench/$(NAME).py"; exit 2; }
+	$(BIN)/python bench/$(NAME).py
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .ruff_cache runs sweeps

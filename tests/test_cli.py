@@ -1,0 +1,107 @@
+"""The ``ada`` command: subcommands, --metrics_file, and one-line errors for user mistakes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ada_modules.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "cli_configs" / "quickstart.yaml"
+# Overrides that make the quickstart config a seconds-long run.
+TINY = [
+    "--trainer.max_steps=2",
+    "--trainer.limit_val_batches=1",
+    "--trainer.limit_test_batches=1",
+    "--trainer.val_check_interval=1",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.logger=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.callbacks=[]",
+]
+
+
+def _run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def test_help_lists_all_five_subcommands():
+    result = subprocess.run(
+        [sys.executable, "-m", "ada_modules", "--help"], capture_output=True, text=True, check=True
+    )
+    for subcommand in ("fit", "validate", "test", "predict", "sweep"):
+        assert f"    {subcommand} " in result.stdout, subcommand
+
+
+def test_console_script_is_installed():
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("ada")), "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "0.1.0" in result.stdout
+
+
+def test_print_config_resolves_defaults(capsys):
+    code, out, _ = _run_main(["fit", "-c", str(QUICKSTART), "--print_config"], capsys)
+    assert code == 0
+    assert "class_path: ada_modules.models.CausalLMModule" in out
+    assert "metrics_file: null" in out
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("--model.class_path=ada_modules.models.NoSuchModel", "NoSuchModel"),
+        ("--model.class_path=no_such_package.Model", "no_such_package"),
+        ("--model.class_path=torch.nn.Linear", "torch.nn.Linear"),
+        ("--trainer.max_steps=abc", "trainer.max_steps"),
+        ("--trainer.max_stepz=3", "max_stepz"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(override, expected, capsys):
+    code, _, err = _run_main(["fit", "-c", str(QUICKSTART), override], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("ada: error:")]
+    assert len(lines) == 1 and expected in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_missing_config_file_names_the_path(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    code, _, err = _run_main(["fit", "-c", str(missing)], capsys)
+    assert code == 2
+    assert str(missing) in err and err.count("\n") == 1
+
+
+def test_invalid_value_rejected_at_instantiation_is_one_line(capsys):
+    code, _, err = _run_main(
+        ["fit", "-c", str(QUICKSTART), *TINY, "--data.init_args.batch_size=0"], capsys
+    )
+    assert code == 2
+    assert err.startswith("ada: error: ValueError") and "batch_size" in err
+    assert err.count("\n") == 1
+
+
+def test_metrics_file_holds_logged_metrics(tmp_path):
+    metrics_file = tmp_path / "out" / "metrics.json"
+    main(
+        [
+            "validate",
+            "-c",
+            str(QUICKSTART),
+            *TINY,
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--metrics_file={metrics_file}",
+        ]
+    )
+    metrics = json.loads(metrics_file.read_text())
+    assert {"val/loss", "val/exact_match"} <= set(metrics)
+    assert 0.0 <= metrics["val/exact_match"] <= 1.0
