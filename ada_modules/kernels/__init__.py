@@ -1,0 +1,33 @@
+"""Triton kernels, each beside its torch reference and one dispatching function.
+
+A kernel file ``kernels/<name>.py`` holds ``_<name>_kernel`` (``@triton.jit``), ``<name>_reference``
+(plain torch, the specification) and ``<name>(..., impl="auto")``, which runs the kernel on CUDA
+tensors and the reference otherwise (see :func:`resolve_impl`). Importing this package does not
+need triton or a GPU; without triton every function runs its reference.
+
+Example:
+    >>> import torch
+    >>> from ada_modules.kernels import dequantize_int8_absmax, quantize_int8_absmax
+    >>> q, scale = quantize_int8_absmax(torch.randn(8, 32))
+    >>> dequantize_int8_absmax(q, scale).shape
+    torch.Size([8, 32])
+"""
+
+from ada_modules.kernels._dispatch import Impl, interpreter_enabled, resolve_impl, triton_available
+from ada_modules.kernels.int8_absmax import (
+    dequantize_int8_absmax,
+    dequantize_int8_absmax_reference,
+    quantize_int8_absmax,
+    quantize_int8_absmax_reference,
+)
+
+__all__ = [
+    "Impl",
+    "dequantize_int8_absmax",
+    "dequantize_int8_absmax_reference",
+    "interpreter_enabled",
+    "quantize_int8_absmax",
+    "quantize_int8_absmax_reference",
+    "resolve_impl",
+    "triton_available",
+]
