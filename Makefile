@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 QUICKSTART := cli_configs/quickstart.yaml
 
-.PHONY: install demo test test-slow docs bench clean
+.PHONY: install demo test test-slow docs bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ bench: install
 	@test -n "$(NAME)" || { echo "usage: make bench NAME=<technique slug>"; exit 2; }
 	@test -f bench/$(NAME).py || { echo "no benchmark script bench/$(NAME).py"; exit 2; }
 	$(BIN)/python bench/$(NAME).py
+
+bench-gpu: install
+	@test -n "$(NAME)" || { echo "usage: make bench-gpu NAME=<technique slug>"; exit 2; }
+	@test -f bench/gpu/$(NAME).py || { echo "no GPU benchmark script bench/gpu/$(NAME).py"; exit 2; }
+	$(BIN)/python bench/gpu/$(NAME).py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache runs sweeps
