@@ -1,0 +1,495 @@
+"""``ada sweep``: spec validation, grid naming, override serialisation, aggregation, and real sweeps.
+
+The end-to-end tests run the real ``python -m ada_modules fit/test`` subprocesses on a tiny
+fixture model (``tests/sweep_fixtures/sweep_fixture_model.py``) whose ``test/score`` is
+``10 * score + seed`` and whose ``test/steps`` counts the training steps in the weights it was
+tested with, so every number in the tables is known exactly.
+"""
+
+import contextlib
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jsonargparse import ArgumentParser
+
+from ada_modules import sweep
+from ada_modules.sweep import (
+    Metric,
+    RunRecord,
+    SweepSpec,
+    SweepSpecError,
+    Variant,
+    expand_grid,
+    override_args,
+    run_sweep,
+    sweep_main,
+)
+from ada_modules.sweep_report import format_table, plot_metrics, summarize
+
+FIXTURES = Path(__file__).parent / "sweep_fixtures"
+BASE = FIXTURES / "base.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+ALLOWED = "base, fit, grid, metrics, name, overrides, quick, quick_seeds, seeds, stages, variants"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def subprocess_env():
+    """The CLI subprocesses import ``sweep_fixture_model`` by class path, with one thread each."""
+    with pytest.MonkeyPatch.context() as patch:
+        path = os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")]))
+        patch.setenv("PYTHONPATH", path)
+        patch.setenv("OMP_NUM_THREADS", "1")
+        yield
+
+
+def write_spec(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(f"base: {BASE}\nmetrics: [test/score]\n{text}", encoding="utf-8")
+    return path
+
+
+def count_launches(monkeypatch) -> list[list[str]]:
+    """Record every CLI subprocess the sweep starts (they still run)."""
+    launched = []
+    original = sweep._run_command
+
+    def counting(command, log, env):
+        launched.append(command)
+        return original(command, log, env)
+
+    monkeypatch.setattr(sweep, "_run_command", counting)
+    return launched
+
+
+def quietly(function, *args, **kwargs):
+    """Call ``function`` and return (its result, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = function(*args, **kwargs)
+    return result, out.getvalue(), err.getvalue()
+
+
+# --- spec validation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [("variant", " (did you mean 'variants'?)"), ("seed", " (did you mean 'seeds'?)")],
+)
+def test_unknown_key_names_it_and_lists_the_allowed_keys(tmp_path, key, hint):
+    spec = write_spec(tmp_path, f"{key}: [1]\n")
+    with pytest.raises(SweepSpecError) as error:
+        SweepSpec.from_yaml(spec)
+    assert (
+        str(error.value) == f"{spec.resolve()}: unknown key {key!r}{hint}; allowed keys: {ALLOWED}"
+    )
+
+
+def test_missing_base_file(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("base: nope.yaml\nmetrics: [a]\n")
+    with pytest.raises(SweepSpecError) as error:
+        SweepSpec.from_yaml(spec)
+    assert str(error.value) == f"{spec.resolve()}: base config not found: {tmp_path / 'nope.yaml'}"
+
+
+def test_empty_variants(tmp_path):
+    spec = write_spec(tmp_path, "variants: []\n")
+    with pytest.raises(SweepSpecError) as error:
+        SweepSpec.from_yaml(spec)
+    assert str(error.value) == (
+        f"{spec.resolve()}: 'variants' must be a non-empty list of {{name, overrides}}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stages: [fit, tset]\n", "unknown stage 'tset' in 'stages'; allowed: fit, validate"),
+        ("stages: [test, fit]\n", "'fit' must be the first of 'stages'"),
+        ("fit: {}\nstages: [fit, test]\n", "must not include 'fit' when a shared 'fit'"),
+        ("seeds: [0, x]\n", "'seeds' must be a non-empty list of distinct integers"),
+        ("seeds: 3\n", "'seeds' must be a non-empty list of distinct integers, got 3"),
+        ("variants: [{name: a}, {name: a}]\n", "variants 'a' and 'a' have the same name"),
+        ("variants: [{name: a, overide: {}}]\n", "unknown key 'overide' in variant 'a'"),
+        ("variants: [{name: a, overrides: {--x: 1}}]\n", "bad override key '--x'"),
+        ("grid: {trainer.max_steps: 3}\n", "grid key 'trainer.max_steps' must have a non-empty"),
+        ("quick: [1]\n", "'quick' must be a mapping of dotted keys"),
+    ],
+)
+def test_bad_specs_fail_with_one_line_naming_the_key(tmp_path, text, message):
+    with pytest.raises(SweepSpecError) as error:
+        SweepSpec.from_yaml(write_spec(tmp_path, text))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_bad_metrics_and_yaml(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"base: {BASE}\nmetrics: [{{name: a, mode: up}}]\n")
+    with pytest.raises(SweepSpecError, match="mode of 'a' must be 'max' or 'min', got 'up'"):
+        SweepSpec.from_yaml(spec)
+    spec.write_text(f"base: {BASE}\n")
+    with pytest.raises(SweepSpecError, match="'metrics' must be a non-empty list"):
+        SweepSpec.from_yaml(spec)
+    spec.write_text("base: [a\n")
+    with pytest.raises(SweepSpecError, match="invalid YAML at line 2"):
+        SweepSpec.from_yaml(spec)
+    with pytest.raises(SweepSpecError, match="sweep spec not found"):
+        SweepSpec.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_quick_needs_a_quick_profile(tmp_path):
+    with pytest.raises(SweepSpecError, match="--quick needs a 'quick' profile"):
+        run_sweep(write_spec(tmp_path, ""), out=tmp_path / "out", quick=True, dry_run=True)
+
+
+def test_defaults_and_names(tmp_path):
+    spec = SweepSpec.from_yaml(write_spec(tmp_path, "", name="my_sweep.yaml"))
+    assert spec.name == "my_sweep"
+    assert spec.base == [BASE.resolve()]
+    assert spec.stages == ["fit", "test"]
+    assert spec.variants == [Variant("base", {})]
+    assert spec.seeds == [0]
+    assert spec.shared_fit is None and spec.quick is None
+    (tmp_path / "adakvq").mkdir()
+    repro = write_spec(tmp_path / "adakvq", "fit: {}\n", name="repro.yaml")
+    spec = SweepSpec.from_yaml(repro)
+    assert (spec.name, spec.stages, spec.shared_fit) == ("adakvq", ["test"], {})
+
+
+def test_sweep_main_and_cli_exit_2_with_one_line(tmp_path, capsys):
+    spec = write_spec(tmp_path, "variant: []\n")
+    assert sweep_main([str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ada sweep: error: ") and "unknown key 'variant'" in err
+    assert err.count("\n") == 1
+    assert sweep_main([str(spec), "--jobs", "zero"]) == 2
+    assert "jobs" in capsys.readouterr().err
+
+    from ada_modules.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sweep", str(spec), "--dry-run"])
+    assert exit_info.value.code == 2
+    assert "unknown key 'variant'" in capsys.readouterr().err
+
+
+# --- grid, overrides, metrics -----------------------------------------------------------------
+
+
+def test_grid_is_a_cartesian_product_with_short_unique_names():
+    variants = expand_grid(
+        {"model.init_args.hidden_size": [64, 128], "trainer.max_steps": [10, 20], "x.flag": [True]}
+    )
+    assert [v.name for v in variants] == [
+        "hidden_size=64,max_steps=10,flag=true",
+        "hidden_size=64,max_steps=20,flag=true",
+        "hidden_size=128,max_steps=10,flag=true",
+        "hidden_size=128,max_steps=20,flag=true",
+    ]
+    assert variants[1].overrides == {
+        "model.init_args.hidden_size": 64,
+        "trainer.max_steps": 20,
+        "x.flag": True,
+    }
+    # Keys that end alike keep their full name.
+    names = [v.name for v in expand_grid({"model.init_args.lr": [1], "data.init_args.lr": [2]})]
+    assert names == ["model.init_args.lr=1,data.init_args.lr=2"]
+
+
+def test_variants_times_grid(tmp_path):
+    spec = SweepSpec.from_yaml(
+        write_spec(
+            tmp_path,
+            "variants:\n  - {name: kivi, overrides: {model.init_args.cache: kivi}}\n"
+            "  - {name: ada}\ngrid: {model.init_args.bits: [2, 4]}\n",
+        )
+    )
+    assert [v.name for v in spec.variants] == [
+        "kivi,bits=2",
+        "kivi,bits=4",
+        "ada,bits=2",
+        "ada,bits=4",
+    ]
+    assert spec.variants[1].overrides == {
+        "model.init_args.cache": "kivi",
+        "model.init_args.bits": 4,
+    }
+
+
+def test_override_values_keep_their_types_through_jsonargparse():
+    values = {
+        "a_int": 3,
+        "a_float": 1e-3,
+        "a_bool": False,
+        "a_none": None,
+        "a_str": "two words",
+        "a_list": [1, 2],
+        "a_dict": {"k": [0.5, "v"]},
+    }
+    args = override_args(values)
+    assert args[:4] == ["--a_int=3", "--a_float=0.001", "--a_bool=false", "--a_none=null"]
+    assert args[4:] == ["--a_str=two words", "--a_list=[1, 2]", '--a_dict={"k": [0.5, "v"]}']
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--a_int", type=int)
+    parser.add_argument("--a_float", type=float)
+    parser.add_argument("--a_bool", type=bool)
+    parser.add_argument("--a_none", type=int | None, default=7)
+    parser.add_argument("--a_str", type=str)
+    parser.add_argument("--a_list", type=list[int])
+    parser.add_argument("--a_dict", type=dict[str, list[float | str]])
+    assert vars(parser.parse_args(args)) == values
+
+
+def test_common_variant_and_quick_overrides_in_that_order(tmp_path):
+    spec = write_spec(
+        tmp_path,
+        "overrides: {trainer.max_steps: 1, trainer.logger: true}\n"
+        "variants: [{name: v, overrides: {trainer.max_steps: 2, model.init_args.score: 3}}]\n"
+        "quick: {model.init_args.score: 4}\n",
+    )
+    _, stdout, _ = quietly(run_sweep, spec, out=tmp_path / "out", quick=True, dry_run=True)
+    fit = shlex.split(stdout.split(" && ")[0])
+    assert fit[4:7] == [
+        "--trainer.max_steps=2",
+        "--trainer.logger=true",
+        "--model.init_args.score=4",
+    ]
+
+
+def test_metric_modes():
+    assert Metric.parse("test/exact_match") == Metric("test/exact_match", "max")
+    assert Metric.parse("val/loss") == Metric("val/loss", "min")
+    assert Metric.parse("test/latency_ms").mode == "min"
+    assert Metric.parse({"name": "test/gen_length", "mode": "min"}).mode == "min"
+    assert Metric.parse({"name": "train/loss", "mode": "max"}).mode == "max"
+
+
+# --- aggregation and reports (pure) -----------------------------------------------------------
+
+
+def record(variant, seed, metrics, status="ok"):
+    return RunRecord(variant, seed, status, metrics, {}, [], [], None, "", "")
+
+
+def test_mean_std_table_with_bold_best():
+    records = [
+        record("small", 0, {"test/acc": 0.5, "test/loss": 2.0}),
+        record("small", 1, {"test/acc": 0.7, "test/loss": 1.0}),
+        record("large", 0, {"test/acc": 0.9, "test/loss": 3.0}),
+        record("large", 1, {"test/acc": 0.9, "test/loss": 5.0}),
+        record("large", 2, {}, status="failed"),
+        record("broken", 0, {}, status="failed"),
+        record("nan", 0, {"test/acc": None, "test/loss": 1.0}),
+    ]
+    metrics = [Metric("test/acc"), Metric("test/loss", "min")]
+    summary = summarize(records, metrics, order=["large", "small"])
+    assert list(summary) == ["large", "small", "broken", "nan"]
+    assert summary["small"]["test/acc"].mean == pytest.approx(0.6)
+    assert summary["small"]["test/acc"].std == pytest.approx(0.1414213562)
+    assert summary["large"]["test/acc"].n == 2
+    assert format_table(records, metrics, order=["large", "small"]) == "\n".join(
+        [
+            "| variant | runs ok | test/acc ↑ | test/loss ↓ |",
+            "|---|---|---|---|",
+            "| large | 2/3 | **0.9 ± 0** | 4 ± 1.414 |",
+            "| small | 2/2 | 0.6 ± 0.1414 | 1.5 ± 0.7071 |",
+            "| broken | 0/1 | – | – |",
+            "| nan | 1/1 | – | **1** |",
+        ]
+    )
+
+
+def test_plots_one_png_per_metric_with_safe_names(tmp_path):
+    records = [record("a", 0, {"test/acc": 1.0}), record("b", 0, {"test/acc": 2.0})]
+    metrics = [Metric("test/acc"), Metric("test/never_logged")]
+    paths = plot_metrics(records, metrics, tmp_path)
+    assert paths == [tmp_path / "test_acc.png"]
+    assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- dry run (no subprocess) ------------------------------------------------------------------
+
+
+def test_dry_run_prints_one_self_contained_line_per_run(tmp_path):
+    out = tmp_path / "out"
+    _, stdout, _ = quietly(run_sweep, FIXTURES / "main.yaml", out=out, quick=True, dry_run=True)
+    lines = stdout.splitlines()
+    assert len(lines) == 4 and not out.exists()
+    fit, test = lines[0].split(" && ")
+    fit, test = shlex.split(fit), shlex.split(test)
+    run_dir = out.resolve() / "runs" / "a" / "seed_0"
+    assert fit[:4] == ["ada", "fit", "-c", str(BASE.resolve())]
+    assert "--model.init_args.score=1.0" in fit and "--trainer.max_steps=2" in fit
+    assert f"--trainer.default_root_dir={run_dir}" in fit
+    assert fit[-1] == f"--metrics_file={run_dir / 'fit.metrics.json'}"
+    assert test[:2] == ["ada", "test"] and f"--ckpt_path={run_dir}/checkpoints/last.ckpt" in test
+    assert "--seed_everything=1" in shlex.split(lines[1].split(" && ")[0])
+
+
+def test_dry_run_lists_shared_fits_first(tmp_path):
+    out = tmp_path / "out"
+    _, stdout, _ = quietly(run_sweep, FIXTURES / "shared_fit.yaml", out=out, dry_run=True)
+    lines = stdout.splitlines()
+    assert lines[0].startswith("# 1 shared fit") and lines[2].startswith("# 2 run")
+    assert shlex.split(lines[1])[:2] == ["ada", "fit"] and "--trainer.max_steps=3" in lines[1]
+    ckpt = out.resolve() / "shared_fit" / "seed_5" / "checkpoints" / "last.ckpt"
+    for line in lines[3:]:
+        assert shlex.split(line)[:2] == ["ada", "test"] and f"--ckpt_path={ckpt}" in line
+
+
+# --- real sweeps (subprocesses of `python -m ada_modules`) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def main_sweep(tmp_path_factory):
+    """The quick profile of main.yaml (2 variants x 2 seeds, fit then test), two jobs at a time."""
+    out = tmp_path_factory.mktemp("main_sweep")
+    records, stdout, stderr = quietly(
+        run_sweep, FIXTURES / "main.yaml", out=out, quick=True, jobs=2
+    )
+    return out, records, stdout, stderr
+
+
+EXPECTED_TABLE = "\n".join(
+    [
+        "| variant | runs ok | test/score ↑ | test/steps ↓ |",
+        "|---|---|---|---|",
+        "| a | 2/2 | 10.5 ± 0.7071 | **2 ± 0** |",
+        "| b | 2/2 | **25.5 ± 0.7071** | **2 ± 0** |",
+    ]
+)
+
+
+def test_sweep_writes_results_json_md_and_plots(main_sweep):
+    out, records, stdout, stderr = main_sweep
+    assert [(r.variant, r.seed, r.status) for r in records] == [
+        ("a", 0, "ok"),
+        ("a", 1, "ok"),
+        ("b", 0, "ok"),
+        ("b", 1, "ok"),
+    ], [r.error for r in records]
+    for r in records:
+        score = {"a": 1.0, "b": 2.5}[r.variant]
+        assert r.metrics["test/score"] == 10 * score + r.seed
+        assert r.metrics["test/steps"] == 2  # the quick profile, through fit's checkpoint
+        assert r.overrides == {"model.init_args.score": score, "trainer.max_steps": 2}
+        assert r.wall_s > 0
+        run_dir = Path(r.run_dir)
+        assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+        assert (run_dir / "fit.log").is_file() and (run_dir / "test.log").is_file()
+    data = json.loads((out / "results.json").read_text())
+    assert data["quick"] is True and data["shared_fits"] == []
+    assert [RunRecord(**r) for r in data["runs"]] == records
+    assert (out / "results.md").read_text() == f"# main\n\n{EXPECTED_TABLE}\n"
+    assert EXPECTED_TABLE in stdout
+    for name in ("test_score.png", "test_steps.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    progress = [line for line in stderr.splitlines() if line.startswith("[")]
+    assert len(progress) == 4 and all(line.endswith(" s)") for line in progress)
+    assert sorted(line[:6] for line in progress) == ["[1/4] ", "[2/4] ", "[3/4] ", "[4/4] "]
+
+
+def test_rerun_skips_finished_runs(main_sweep, monkeypatch):
+    out, records, _, _ = main_sweep
+    launched = count_launches(monkeypatch)
+    again, stdout, stderr = quietly(run_sweep, FIXTURES / "main.yaml", out=out, quick=True)
+    assert launched == []
+    assert stderr.count("ok earlier, skipped") == 4
+    assert again == records and EXPECTED_TABLE in stdout
+    # Without --quick the overrides differ, so nothing is reused (checked without running it).
+    spec = SweepSpec.from_yaml(FIXTURES / "main.yaml")
+    _, full = sweep._plan(spec, out, quick=False)
+    for old, run in zip(records, full, strict=True):
+        assert not old.same_run(run.record(spec.base, status="ok", metrics={}))
+
+
+def test_dry_run_lines_run_and_collect_gives_the_same_table(main_sweep, monkeypatch):
+    out, records, _, _ = main_sweep
+    _, stdout, _ = quietly(run_sweep, FIXTURES / "main.yaml", out=out, quick=True, dry_run=True)
+    lines = stdout.splitlines()
+    assert lines == [r.command for r in records]
+    # Run one printed line for real, as a cluster job would, after removing that run's results.
+    run_dir = Path(records[3].run_dir)
+    for file in run_dir.glob("*.metrics.json"):
+        file.unlink()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(lines[3], shell=True, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((run_dir / "test.metrics.json").read_text())["test/score"] == 26.0
+
+    launched = count_launches(monkeypatch)
+    collected, stdout, _ = quietly(
+        run_sweep, FIXTURES / "main.yaml", out=out, quick=True, collect=True
+    )
+    assert launched == []
+    assert [(r.variant, r.seed, r.status, r.metrics) for r in collected] == [
+        (r.variant, r.seed, r.status, r.metrics) for r in records
+    ]
+    assert all(r.wall_s is None for r in collected)
+    assert (out / "results.md").read_text() == f"# main\n\n{EXPECTED_TABLE}\n"
+
+    # A run whose command never ran is collected as failed, naming the missing file.
+    (run_dir / "test.metrics.json").unlink()
+    collected, _, _ = quietly(run_sweep, FIXTURES / "main.yaml", out=out, quick=True, collect=True)
+    assert collected[3].status == "failed" and "test.metrics.json" in collected[3].error
+
+
+def test_shared_fit_failed_variant_and_resume(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    records, _, stderr = quietly(run_sweep, FIXTURES / "shared_fit.yaml", out=out)
+    ok, broken = records
+    assert ok.status == "ok", ok.error
+    assert ok.metrics == {"test/score": 15.0, "test/steps": 3.0}  # weights of the shared fit
+    assert ok.stages == ["test"] and ok.shared_fit == {"trainer.max_steps": 3}
+    assert not (Path(ok.run_dir) / "checkpoints").exists()
+    assert broken.status == "failed"
+    assert "ScoreModel was asked to fail in test" in broken.error
+    assert "asked to fail in test" in (Path(broken.run_dir) / "test.log").read_text()
+    data = json.loads((out / "results.json").read_text())
+    assert [(f["variant"], f["seed"], f["status"]) for f in data["shared_fits"]] == [
+        ("(shared fit)", 5, "ok")
+    ]
+    assert "| broken | 0/1 | – | – |" in (out / "results.md").read_text()
+    assert "[3/3]" in stderr and "failed" in stderr
+
+    # Resume: only the failed run is launched again; `ada sweep` returns 1 while a run fails.
+    launched = count_launches(monkeypatch)
+    code, _, stderr = quietly(sweep_main, [str(FIXTURES / "shared_fit.yaml"), "--out", str(out)])
+    assert code == 1
+    assert (
+        len(launched) == 1
+        and launched[0][3] == "test"
+        and "--model.init_args.fail_in=test" in launched[0]
+    )
+    assert stderr.count("ok earlier, skipped") == 2
+
+
+def test_quickstart_sweep_spec_is_valid():
+    spec = SweepSpec.from_yaml(ROOT / "cli_configs" / "quickstart_sweep.yaml")
+    assert len(spec.variants) == 2 and len(spec.seeds) == 2
+    assert spec.stages == ["fit", "test"] and spec.quick
+    assert {m.name for m in spec.metrics} == {
+        "test/exact_match",
+        "test/gen_length",
+        "test/tokens_per_s",
+    }
+
+
+@pytest.mark.slow
+def test_quickstart_sweep_quick_profile(tmp_path):
+    out = tmp_path / "qs"
+    spec = ROOT / "cli_configs" / "quickstart_sweep.yaml"
+    code = sweep_main([str(spec), "--quick", "--jobs", "2", "--out", str(out)])
+    data = json.loads((out / "results.json").read_text())
+    assert code == 0, [r["error"] for r in data["runs"]]
+    assert len(data["runs"]) == 4
+    assert (out / "test_exact_match.png").is_file()
+    assert "test/exact_match" in (out / "results.md").read_text()
