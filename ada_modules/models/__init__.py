@@ -1,0 +1,9 @@
+"""LightningModules, one task each (causal LM, operator transformer, DiT, NCA solver, ...).
+
+Techniques plug into a module through its init args (a cache factory, an attention
+implementation, an optimizer), so a baseline and a technique differ by one YAML key.
+"""
+
+from ada_modules.models.causal_lm import CausalLMModule
+
+__all__ = ["CausalLMModule"]

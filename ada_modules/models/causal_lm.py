@@ -1,0 +1,274 @@
+"""A tiny Hugging Face causal LM trained and evaluated on the library's sequence tasks."""
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+from torchmetrics import MeanMetric
+from transformers import (
+    Cache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from ada_modules.data.tokenizer import CharTokenizer
+
+__all__ = ["CausalLMModule"]
+
+_ARCHITECTURES: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+_EVAL_METRICS = ("loss", "exact_match", "gen_length", "tokens_per_s")
+
+
+class CausalLMModule(LightningModule):
+    """Trains a small Llama or Qwen2 model from scratch and scores its greedy generations.
+
+    The model is built from a config (no hub access) with the vocabulary of
+    :class:`~ada_modules.data.CharTokenizer`, so it works with every sequence DataModule of the
+    library. Training minimises next-token loss on the batch ``labels`` (the completion). Validation
+    and test log ``loss``, and generate completions greedily from ``prompt_ids`` to log
+    ``exact_match`` (generation equal to the batch ``targets``), ``gen_length`` (generated tokens,
+    end token included) and ``tokens_per_s``; when the batch has ``hops``, also
+    ``exact_match_hop{h}`` per hop count.
+
+    Techniques plug in without code changes: ``cache_factory`` supplies the KV cache of each
+    ``generate`` call and ``attn_implementation`` picks the attention function.
+
+    Args:
+        architecture: Model family, ``"llama"`` or ``"qwen2"``.
+        hidden_size: Width of the residual stream.
+        num_layers: Number of decoder layers.
+        num_heads: Attention heads per layer.
+        num_kv_heads: Key/value heads per layer (grouped-query attention when fewer than heads).
+        intermediate_size: Width of the MLP.
+        max_position_embeddings: Longest sequence the rotary embedding is set up for.
+        config_overrides: Further keyword arguments of the Hugging Face config (e.g.
+            ``{"tie_word_embeddings": true, "rope_theta": 1000.0}``).
+        attn_implementation: Attention function name for the Hugging Face config (``"eager"``,
+            ``"sdpa"`` or one registered with ``transformers.AttentionInterface``); ``None`` keeps
+            the transformers default.
+        cache_factory: Called as ``cache_factory(config=model.config)`` to make a fresh
+            ``transformers.Cache`` for each ``generate`` call; ``None`` lets ``generate`` choose.
+        optimizer: Builds the optimizer from parameter groups (weight decay is disabled for
+            parameters with fewer than two dimensions: norms and biases).
+        lr_scheduler: Builds a per-step learning-rate scheduler from the optimizer, if given.
+        max_new_tokens: Generation budget per completion.
+
+    The callables (``cache_factory``, ``optimizer``, ``lr_scheduler``) are not saved as
+    hyperparameters; ``load_from_checkpoint(path, cache_factory=...)`` sets them on reload.
+
+    Raises:
+        ValueError: If an argument is out of range, naming the argument.
+
+    Example:
+        >>> from transformers import DynamicCache
+        >>> module = CausalLMModule(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+        ...                         intermediate_size=64, cache_factory=DynamicCache)
+        >>> module.model.config.num_hidden_layers
+        1
+
+        In YAML::
+
+            model:
+              class_path: ada_modules.models.CausalLMModule
+              init_args:
+                architecture: qwen2
+                cache_factory:
+                  class_path: transformers.DynamicCache
+                optimizer:
+                  class_path: torch.optim.AdamW
+                  init_args: {lr: 0.003, weight_decay: 0.01}
+    """
+
+    def __init__(
+        self,
+        architecture: Literal["llama", "qwen2"] = "llama",
+        hidden_size: int = 128,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 4,
+        intermediate_size: int = 512,
+        max_position_embeddings: int = 4096,
+        config_overrides: dict[str, Any] | None = None,
+        attn_implementation: str | None = None,
+        cache_factory: Callable[[PreTrainedConfig], Cache] | None = None,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        max_new_tokens: int = 32,
+    ) -> None:
+        super().__init__()
+        if architecture not in _ARCHITECTURES:
+            raise ValueError(
+                f"architecture must be one of {sorted(_ARCHITECTURES)}, got {architecture!r}"
+            )
+        for name, value in (
+            ("hidden_size", hidden_size),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("intermediate_size", intermediate_size),
+            ("max_position_embeddings", max_position_embeddings),
+            ("max_new_tokens", max_new_tokens),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if hidden_size % num_heads:
+            raise ValueError(
+                f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}"
+            )
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}"
+            )
+        # Callables are not stored: checkpoints stay loadable with ``weights_only=True``; pass them
+        # again to ``load_from_checkpoint`` when needed.
+        self.save_hyperparameters(ignore=["cache_factory", "optimizer", "lr_scheduler"])
+        self.tokenizer = CharTokenizer()
+        config_class, model_class = _ARCHITECTURES[architecture]
+        config_kwargs: dict[str, Any] = {
+            "vocab_size": self.tokenizer.vocab_size,
+            "hidden_size": hidden_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "intermediate_size": intermediate_size,
+            "max_position_embeddings": max_position_embeddings,
+            "pad_token_id": self.tokenizer.pad_id,
+            "bos_token_id": self.tokenizer.bos_id,
+            "eos_token_id": self.tokenizer.eos_id,
+        }
+        config_kwargs.update(config_overrides or {})
+        if attn_implementation is not None:
+            config_kwargs["attn_implementation"] = attn_implementation
+        self.model = model_class(config_class(**config_kwargs))
+        generation_config = self.model.generation_config
+        generation_config.do_sample = False
+        generation_config.pad_token_id = self.tokenizer.pad_id
+        generation_config.bos_token_id = self.tokenizer.bos_id
+        generation_config.eos_token_id = self.tokenizer.eos_id
+        self.cache_factory = cache_factory
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.max_new_tokens = max_new_tokens
+        self.eval_metrics = nn.ModuleDict(
+            {f"{stage}_{name}": MeanMetric() for stage in ("val", "test") for name in _EVAL_METRICS}
+        )
+        # Per-hop accuracies are created on first sight of a hop count (see _evaluate).
+        self.hop_metrics = nn.ModuleDict()
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Next-token logits, shape ``(batch, seq, vocab)``."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def _loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        return self.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            labels=batch["labels"],
+        ).loss
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        return loss
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+    ) -> tuple[list[str], torch.Tensor, float]:
+        """Greedily complete left-padded prompts.
+
+        Returns:
+            The decoded completions, the number of generated tokens per prompt (up to and including
+            the end token) and the wall time of ``generate`` in seconds.
+        """
+        kwargs: dict[str, Any] = {}
+        if self.cache_factory is not None:
+            kwargs["cache"] = self.cache_factory(config=self.model.config)
+        if prompt_ids.is_cuda:
+            torch.cuda.synchronize(prompt_ids.device)
+        start = time.perf_counter()
+        sequences = self.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            max_new_tokens=self.max_new_tokens,
+            **kwargs,
+        )
+        if prompt_ids.is_cuda:
+            torch.cuda.synchronize(prompt_ids.device)
+        elapsed = time.perf_counter() - start
+        new_tokens = sequences[:, prompt_ids.shape[1] :]
+        is_eos = new_tokens == self.tokenizer.eos_id
+        first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, new_tokens.shape[1])
+        texts = [self.tokenizer.decode(row) for row in new_tokens.tolist()]
+        return texts, first_eos, elapsed
+
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
+        batch_size = batch["prompt_ids"].shape[0]
+        texts, lengths, elapsed = self.generate(batch["prompt_ids"], batch["prompt_mask"])
+        correct = torch.tensor(
+            [float(t == target) for t, target in zip(texts, batch["targets"], strict=True)],
+            device=self.device,
+        )
+        updates = {
+            "loss": (self._loss(batch), batch_size),
+            "exact_match": (correct, 1.0),
+            "gen_length": (lengths.float(), 1.0),
+            # Weighting each batch's rate by its time gives total tokens / total time.
+            "tokens_per_s": (lengths.sum() / max(elapsed, 1e-9), elapsed),
+        }
+        for name, (value, weight) in updates.items():
+            metric = self.eval_metrics[f"{stage}_{name}"]
+            metric.update(value, weight)
+            self.log(
+                f"{stage}/{name}", metric, prog_bar=name == "exact_match", batch_size=batch_size
+            )
+        if "hops" in batch:
+            for hops in batch["hops"].unique().tolist():
+                selected = batch["hops"] == hops
+                key = f"{stage}_{hops}"
+                if key not in self.hop_metrics:
+                    self.hop_metrics[key] = MeanMetric().to(self.device)
+                self.hop_metrics[key].update(correct[selected].mean(), selected.sum())
+                self.log(
+                    f"{stage}/exact_match_hop{hops}",
+                    self.hop_metrics[key],
+                    batch_size=batch_size,
+                    # Lightning indexes metric attributes once, before this one existed.
+                    metric_attribute=f"hop_metrics.{key}",
+                )
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
+        return self.generate(batch["prompt_ids"], batch["prompt_mask"])[0]
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for param in self.parameters():
+            if param.requires_grad:
+                (decay if param.ndim >= 2 else no_decay).append(param)
+        optimizer = self.optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        if self.lr_scheduler is None:
+            return optimizer
+        scheduler = self.lr_scheduler(optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }

@@ -1,0 +1,144 @@
+import pytest
+import torch
+
+from ada_modules.data import CharTokenizer, RecallDataModule
+
+SMALL = {"num_train": 64, "num_val": 32, "num_test": 32, "batch_size": 16}
+
+
+def _parse(prompt: str) -> tuple[dict[str, str], str, int]:
+    """Links, query key and hop count of a recall prompt, read the way a person would."""
+    context, query = prompt.split("|")
+    links = {}
+    for segment in context.split(";"):
+        if not segment.startswith("["):
+            key, value = segment.split(":")
+            assert key not in links, "a key appears twice in the context"
+            links[key] = value
+    key, hops = query.rstrip("=").split("*")
+    return links, key, int(hops)
+
+
+def _prompts(dm: RecallDataModule, split: str) -> list[str]:
+    tok = CharTokenizer()
+    return [tok.decode(ex["prompt_ids"]) for ex in dm.datasets[split]]
+
+
+@pytest.mark.parametrize("max_hops", [1, 3])
+def test_answer_follows_the_queried_number_of_links(max_hops):
+    dm = RecallDataModule(num_pairs=9, max_hops=max_hops, filler_segments=2, **SMALL)
+    dm.setup("fit")
+    seen_hops = set()
+    for batch in dm.train_dataloader():
+        for row, prompt in enumerate(CharTokenizer().decode(p) for p in batch["prompt_ids"]):
+            links, node, hops = _parse(prompt)
+            assert len(links) == 9
+            assert hops == batch["hops"][row].item()
+            for _ in range(hops):
+                node = links[node]
+            assert batch["targets"][row] == batch["answers"][row] == node
+            seen_hops.add(hops)
+    assert seen_hops == set(range(1, max_hops + 1))
+
+
+def test_hop_weights_select_hop_counts():
+    dm = RecallDataModule(num_pairs=6, max_hops=3, hop_weights=[0.0, 1.0, 0.0], **SMALL)
+    dm.setup("test")
+    assert {ex["metadata"]["hops"] for ex in dm.datasets["test"]} == {2}
+
+
+def test_same_seed_same_data_other_seed_other_data():
+    make = lambda seed: RecallDataModule(num_pairs=5, seed=seed, **SMALL)  # noqa: E731
+    first, second, other = make(3), make(3), make(4)
+    for dm in (first, second, other):
+        dm.setup("fit")
+    for split in ("train", "val", "test"):
+        assert _prompts(first, split) == _prompts(second, split)
+        assert _prompts(first, split) != _prompts(other, split)
+
+
+def test_splits_are_disjoint_and_from_different_streams():
+    # 720 distinct prompts: collisions between streams are likely and must be rejected.
+    dm = RecallDataModule(
+        num_pairs=2, key_length=1, key_alphabet="abcdef", num_train=400, num_val=32, num_test=32
+    )
+    dm.setup("fit")
+    train, val, test = (set(_prompts(dm, s)) for s in ("train", "val", "test"))
+    assert not train & val and not train & test and not val & test
+    assert len(val) == 32 and len(test) == 32
+
+
+def test_labels_cover_only_the_completion_and_eos():
+    dm = RecallDataModule(num_pairs=4, filler_segments=2, **SMALL)
+    dm.setup("test")
+    batch = next(iter(dm.test_dataloader()))
+    tok = CharTokenizer()
+    for row in range(len(batch["targets"])):
+        labelled = batch["labels"][row] != -100
+        expected = tok.encode(batch["targets"][row], add_eos=True)
+        assert batch["labels"][row][labelled].tolist() == expected
+        # The labelled tokens are the last real tokens of the right-padded training sequence.
+        length = int(batch["attention_mask"][row].sum())
+        assert labelled.nonzero().flatten().tolist() == list(range(length - len(expected), length))
+        assert batch["input_ids"][row, length - len(expected) : length].tolist() == expected
+
+
+def test_filler_loss_labels_only_locally_predictable_tokens():
+    dm = RecallDataModule(
+        num_pairs=4, filler_segments=3, filler_length=10, motif_length=3, filler_loss=True, **SMALL
+    )
+    dm.setup("test")
+    batch = next(iter(dm.test_dataloader()))
+    ids, labels = batch["input_ids"], batch["labels"]
+    tok = CharTokenizer()
+    answer_len = torch.tensor([len(t) + 1 for t in batch["targets"]])
+    filler_labels = (labels != -100).sum(1) - answer_len
+    # Per segment: 10 filler characters minus the first motif, plus the closing bracket.
+    assert filler_labels.tolist() == [3 * (10 - 3 + 1)] * len(batch["targets"])
+    for row in range(ids.shape[0]):
+        prompt_end = int(batch["attention_mask"][row].sum()) - int(answer_len[row])
+        for pos in (labels[row, :prompt_end] != -100).nonzero().flatten().tolist():
+            char = tok.decode([ids[row, pos]])
+            assert char == "]" or char == tok.decode([ids[row, pos - 3]])
+
+
+def test_prompt_batch_is_left_padded_and_prompt_length_is_exact():
+    dm = RecallDataModule(num_pairs=7, key_length=3, filler_segments=2, max_hops=2, **SMALL)
+    dm.setup("test")
+    batch = next(iter(dm.test_dataloader()))
+    assert batch["prompt_ids"].shape[1] == dm.prompt_length
+    assert batch["prompt_mask"].all()
+    assert (batch["prompt_ids"][:, 0] == CharTokenizer.bos_id).all()
+    full = batch["input_ids"][:, : dm.prompt_length]
+    assert torch.equal(full, batch["prompt_ids"])
+
+
+def test_long_context():
+    dm = RecallDataModule(
+        num_pairs=256, key_length=3, filler_segments=16, num_train=1, num_val=1, num_test=2
+    )
+    dm.setup("test")
+    assert dm.prompt_length > 2000
+    assert len(dm.datasets["test"][0]["prompt_ids"]) == dm.prompt_length
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"num_pairs": 0}, "num_pairs"),
+        ({"num_pairs": 2, "max_hops": 3}, "max_hops"),
+        ({"max_hops": 2, "hop_weights": [1.0]}, "hop_weights"),
+        ({"hop_weights": [-1.0]}, "hop_weights"),
+        ({"key_alphabet": "ab:"}, "key_alphabet"),
+        ({"key_alphabet": "aa"}, "key_alphabet"),
+        ({"filler_alphabet": "€"}, "filler_alphabet"),
+        ({"num_pairs": 10, "key_length": 1, "key_alphabet": "abc"}, "key_alphabet"),
+        ({"motif_length": 20, "filler_length": 10}, "motif_length"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"num_val": -1}, "num_val"),
+        ({"eval_batch_size": 0}, "eval_batch_size"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        RecallDataModule(**kwargs)

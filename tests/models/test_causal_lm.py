@@ -1,0 +1,203 @@
+from functools import partial
+
+import pytest
+import torch
+import yaml
+from jsonargparse import ArgumentParser
+from lightning.pytorch import Trainer
+from transformers import DynamicCache, LlamaForCausalLM, Qwen2ForCausalLM
+
+from ada_modules.data import CharTokenizer, RecallDataModule
+from ada_modules.models import CausalLMModule
+from ada_modules.optim.lr_schedulers import WarmupCosineLR
+
+TINY = {
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "intermediate_size": 64,
+    "max_new_tokens": 4,
+}
+
+
+def _trainer(tmp_path, **kwargs) -> Trainer:
+    defaults = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": tmp_path,
+    }
+    return Trainer(**{**defaults, **kwargs})
+
+
+@pytest.fixture
+def datamodule() -> RecallDataModule:
+    dm = RecallDataModule(
+        num_pairs=3, max_hops=2, num_train=32, num_val=16, num_test=16, batch_size=8
+    )
+    dm.setup("fit")
+    return dm
+
+
+@pytest.mark.parametrize(
+    ("architecture", "model_class"), [("llama", LlamaForCausalLM), ("qwen2", Qwen2ForCausalLM)]
+)
+def test_builds_the_requested_architecture(architecture, model_class):
+    module = CausalLMModule(architecture=architecture, **TINY)
+    config = module.model.config
+    assert type(module.model) is model_class
+    assert config.vocab_size == CharTokenizer().vocab_size
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert config.eos_token_id == CharTokenizer.eos_id
+
+
+def test_config_overrides_and_attn_implementation_reach_the_model():
+    module = CausalLMModule(
+        **TINY, attn_implementation="eager", config_overrides={"rope_theta": 123.0}
+    )
+    assert module.model.config._attn_implementation == "eager"
+    assert module.model.config.rope_parameters["rope_theta"] == 123.0
+    assert CausalLMModule(**TINY, attn_implementation="sdpa").model.config._attn_implementation == (
+        "sdpa"
+    )
+
+
+@pytest.mark.filterwarnings(r"ignore:You are trying to `self.log\(\)`")
+def test_overfits_one_batch(seed, datamodule):
+    module = CausalLMModule(**TINY, optimizer=partial(torch.optim.AdamW, lr=1e-2))
+    optimizer = module.configure_optimizers()
+    batch = next(iter(datamodule.train_dataloader()))
+    losses = []
+    for step in range(15):
+        loss = module.training_step(batch, step)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_weight_decay_groups_and_scheduler():
+    module = CausalLMModule(
+        **TINY,
+        optimizer=partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1),
+        lr_scheduler=partial(WarmupCosineLR, warmup_steps=4, total_steps=10),
+    )
+    config = module.configure_optimizers()
+    decay, no_decay = config["optimizer"].param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(module.parameters()))
+    assert config["lr_scheduler"]["interval"] == "step"
+    assert decay["lr"] == pytest.approx(1e-3 / 4)
+
+
+def test_validation_logs_generation_metrics(seed, datamodule, tmp_path):
+    module = CausalLMModule(**TINY)
+    metrics = _trainer(tmp_path, limit_val_batches=2).validate(module, datamodule, verbose=False)[0]
+    expected = {"loss", "exact_match", "gen_length", "tokens_per_s", "exact_match_hop1"}
+    assert {f"val/{name}" for name in expected} <= set(metrics)
+    assert 0.0 <= metrics["val/exact_match"] <= 1.0
+    assert 1.0 <= metrics["val/gen_length"] <= TINY["max_new_tokens"]
+    assert metrics["val/tokens_per_s"] > 0
+
+
+def test_exact_match_compares_generations_with_targets(datamodule, tmp_path, monkeypatch):
+    module = CausalLMModule(**TINY)
+    batches = list(datamodule.test_dataloader())
+
+    def fake_generate(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        batch = next(b for b in batches if torch.equal(b["prompt_ids"], prompt_ids))
+        # Right for one-hop queries, wrong for two-hop ones.
+        texts = [
+            t if h == 1 else t + "x" for t, h in zip(batch["targets"], batch["hops"], strict=True)
+        ]
+        return texts, torch.full((len(texts),), 3), 0.5
+
+    monkeypatch.setattr(module, "generate", fake_generate)
+    metrics = _trainer(tmp_path).test(module, datamodule, verbose=False)[0]
+    hops = torch.cat([b["hops"] for b in batches])
+    assert metrics["test/exact_match_hop1"] == 1.0
+    assert metrics["test/exact_match_hop2"] == 0.0
+    assert metrics["test/exact_match"] == pytest.approx((hops == 1).float().mean().item())
+    assert metrics["test/gen_length"] == 3.0
+    assert metrics["test/tokens_per_s"] == pytest.approx(6.0 * len(batches[0]["targets"]))
+
+
+def test_cache_factory_is_called_for_every_generate(datamodule):
+    calls = []
+
+    def factory(config):
+        calls.append(config)
+        return DynamicCache(config=config)
+
+    module = CausalLMModule(**TINY, cache_factory=factory)
+    batch = next(iter(datamodule.test_dataloader()))
+    texts = module.predict_step(batch, 0)
+    module.predict_step(batch, 1)
+    assert len(calls) == 2 and calls[0] is module.model.config
+    assert len(texts) == len(batch["targets"]) and all(isinstance(t, str) for t in texts)
+
+
+def test_yaml_class_paths_parse_and_instantiate(tmp_path):
+    config = tmp_path / "model.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {
+                    "architecture": "qwen2",
+                    **TINY,
+                    "cache_factory": {"class_path": "transformers.DynamicCache"},
+                    "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5}},
+                    "lr_scheduler": {
+                        "class_path": "ada_modules.optim.lr_schedulers.WarmupCosineLR",
+                        "init_args": {"warmup_steps": 2, "total_steps": 8},
+                    },
+                }
+            }
+        )
+    )
+    parser = ArgumentParser()
+    parser.add_argument("--config", action="config")
+    parser.add_class_arguments(CausalLMModule, "model")
+    module = parser.instantiate(parser.parse_args(["--config", str(config)])).model
+    assert isinstance(module.cache_factory(config=module.model.config), DynamicCache)
+    optimizers = module.configure_optimizers()
+    assert isinstance(optimizers["optimizer"], torch.optim.SGD)
+    assert isinstance(optimizers["lr_scheduler"]["scheduler"], WarmupCosineLR)
+    assert optimizers["optimizer"].param_groups[0]["lr"] == pytest.approx(0.25)
+
+
+def test_load_from_checkpoint_round_trip(seed, datamodule, tmp_path):
+    module = CausalLMModule(architecture="qwen2", **TINY, attn_implementation="eager")
+    trainer = _trainer(tmp_path, max_steps=2, limit_val_batches=1)
+    trainer.fit(module, datamodule)
+    path = tmp_path / "tiny.ckpt"
+    trainer.save_checkpoint(path)
+    loaded = CausalLMModule.load_from_checkpoint(path, cache_factory=DynamicCache)
+    assert loaded.hparams == module.hparams
+    assert loaded.cache_factory is DynamicCache
+    assert type(loaded.model) is Qwen2ForCausalLM
+    assert loaded.model.config._attn_implementation == "eager"
+    for (name, a), (_, b) in zip(
+        module.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"architecture": "gpt2"}, "architecture"),
+        ({"hidden_size": 30}, "hidden_size"),
+        ({"num_kv_heads": 3}, "num_kv_heads"),
+        ({"num_layers": 0}, "num_layers"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        CausalLMModule(**{**TINY, **kwargs})
