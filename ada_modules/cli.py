@@ -40,6 +40,7 @@ __all__ = ["AdaCLI", "main"]
 class _InstantiationError(Exception):
     """A component rejected its configured arguments while the CLI instantiated it."""
 
+
 # Subpackages whose classes may be named by their short name in YAML or on the command line
 # (jsonargparse resolves short names among subclasses that are already imported).
 _REGISTERED_PACKAGES = (
