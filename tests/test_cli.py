@@ -105,3 +105,22 @@ def test_metrics_file_holds_logged_metrics(tmp_path):
     metrics = json.loads(metrics_file.read_text())
     assert {"val/loss", "val/exact_match"} <= set(metrics)
     assert 0.0 <= metrics["val/exact_match"] <= 1.0
+
+
+def test_library_classes_resolve_by_short_name(capsys):
+    code, out, _ = _run_main(
+        [
+            "fit",
+            "--model=CausalLMModule",
+            "--model.lr_scheduler=WarmupCosineLR",
+            "--model.lr_scheduler.warmup_steps=5",
+            "--model.lr_scheduler.total_steps=50",
+            "--data=ArithmeticDataModule",
+            "--print_config",
+        ],
+        capsys,
+    )
+    assert code == 0
+    assert "class_path: ada_modules.models.CausalLMModule" in out
+    assert "class_path: ada_modules.optim.WarmupCosineLR" in out
+    assert "class_path: ada_modules.data.ArithmeticDataModule" in out
