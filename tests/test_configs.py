@@ -3,9 +3,9 @@
 - Each LightningCLI config parses and resolves with ``--print_config`` (catches bad class paths,
   untyped or renamed arguments).
 - Each sweep spec (a YAML with a top-level ``base:`` key) validates and expands to runs.
-- Each ``repro.yaml`` runs one (variant, seed) at a few-steps size in the fast suite, so that no
-  sweep rots; its whole quick profile (~3 minutes) runs as ``slow`` (the quickstart sweep's quick
-  profile is tested in test_sweep.py).
+- Each sweep spec (every ``repro.yaml`` among them) runs one (variant, seed) at a few-steps size
+  in the fast suite, so that no sweep rots. The whole quick profile (~3 minutes) of each
+  ``repro.yaml`` runs as ``slow`` (the quickstart sweep's is tested in test_sweep.py).
 """
 
 import dataclasses
@@ -68,8 +68,8 @@ def test_sweep_spec_validates(spec):
     assert parsed.quick, "every sweep needs a quick profile for CI"
 
 
-@pytest.mark.parametrize("spec", REPROS, ids=_ids(REPROS))
-def test_repro_smoke_run(spec, tmp_path):
+@pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
+def test_sweep_smoke_run(spec, tmp_path):
     parsed = SweepSpec.from_yaml(spec)
     smoke = dataclasses.replace(
         parsed,
