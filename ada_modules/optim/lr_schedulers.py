@@ -30,7 +30,8 @@ class WarmupCosineLR(LRScheduler):
         >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
         >>> sched = WarmupCosineLR(opt, warmup_steps=10, total_steps=100)
         >>> opt.step(); sched.step()
-        >>> round(opt.param_groups[0]["lr"], 6)
+        >>> group = opt.param_groups[0]
+        >>> round(group["lr"], 6)
         0.0002
     """
 
