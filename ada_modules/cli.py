@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -83,7 +84,11 @@ class AdaCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, TypeError) as error:
             # Our components validate their arguments in __init__; a bad value is a user error.
-            raise _InstantiationError(f"{type(error).__name__}: {error}") from error
+            # jsonargparse wraps the component's own error: report the innermost one.
+            cause: BaseException = error
+            while isinstance(cause.__cause__ or cause.__context__, (ValueError, TypeError)):
+                cause = cause.__cause__ or cause.__context__
+            raise _InstantiationError(f"{type(cause).__name__}: {cause}") from error
 
     def _write_metrics(self) -> None:
         path = self.config[self.subcommand].get("metrics_file")
@@ -112,25 +117,42 @@ class AdaCLI(LightningCLI):
         self._write_metrics()
 
 
-def _one_line(error: BaseException) -> str:
-    """The most specific line of a (possibly nested, multi-line) jsonargparse error message.
+_DETAIL_MARKERS = (
+    "Expected a",
+    "has no attribute",
+    "No module named",
+    "does not correspond to a subclass",
+    "does not exist",
+    "unrecognized arguments",
+)
 
-    jsonargparse explains a failed class path as a tree ("Does not validate against any of the
-    Union subtypes ... Errors: - Problem with given class_path 'x': No module named 'x'"); the
-    line that names the culprit, with its continuation, is what a user needs to see.
+
+def _one_line(error: BaseException) -> str:
+    """Condense a (possibly nested, multi-line) jsonargparse error to one line naming the culprit.
+
+    jsonargparse explains a failed nested value as a tree: ``Parser key "model": Does not validate
+    against any of the Union subtypes ... - Problem with given class_path '...': Parser key
+    "optimizer": ... has no attribute 'Adamz'``. The result joins the nested keys into a dotted
+    path and keeps the innermost explanation: ``model.optimizer: module 'torch.optim' has no
+    attribute 'Adamz'``.
     """
-    lines = [line.strip(" -") for line in str(error).splitlines() if line.strip(" -")]
+    lines = [line.strip().lstrip("- ").strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line and line != "Expected a <class 'NoneType'>"]
     if not lines:
         return type(error).__name__
-    head = lines[0].rstrip(":")
-    for marker in ("Problem with given class_path", "does not correspond to a subclass"):
-        for index, line in enumerate(lines):
-            if marker in line:
-                detail = line
-                if line.endswith(":") and index + 1 < len(lines):
-                    detail = f"{line} {lines[index + 1]}"
-                return f"{head}: {detail}"
-    return head if len(lines) == 1 else f"{head}: {lines[-1]}"
+    detail_index = next(
+        (i for i, line in enumerate(lines) if any(m in line for m in _DETAIL_MARKERS)), None
+    )
+    if detail_index is None:
+        return " ".join(lines) if len(lines) <= 2 else f"{lines[0]} {lines[-1]}"
+    detail = lines[detail_index].split(". Got value: Namespace(")[0]
+    detail = re.sub(r'^Parser key "[^"]+": ', "", detail)
+    detail = detail.split("expects a function or a callable class: ")[-1]
+    previous = lines[detail_index - 1] if detail_index else ""
+    if previous.startswith("Problem with given class_path"):
+        detail = f"{previous} {detail}"
+    keys = re.findall(r'Parser key "([^"]+)"', "\n".join(lines[: detail_index + 1]))
+    return f"{'.'.join(keys)}: {detail}" if keys else detail
 
 
 def main(args: ArgsType = None) -> None:
@@ -141,14 +163,17 @@ def main(args: ArgsType = None) -> None:
 
     Raises:
         SystemExit: With code 2 and one line on stderr for a user error (unknown class path, wrong
-            type, missing config file, bad argument value); with the sweep's return code for
-            ``sweep``.
+            type, missing config file, bad argument value); with the sweep's non-zero return code
+            when a ``sweep`` fails. A successful subcommand returns normally.
     """
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv and argv[0] == "sweep":
         from ada_modules.sweep import sweep_main
 
-        sys.exit(sweep_main(argv[1:]))
+        code = sweep_main(argv[1:])
+        if code:
+            sys.exit(code)
+        return
 
     import importlib
 
