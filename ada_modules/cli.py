@@ -124,6 +124,7 @@ _DETAIL_MARKERS = (
     "does not correspond to a subclass",
     "does not exist",
     "unrecognized arguments",
+    "is not accepted",
 )
 
 

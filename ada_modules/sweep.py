@@ -35,9 +35,11 @@ A sweep spec is a YAML mapping; ``base`` and ``metrics`` are required::
                                      # file stem (the folder name for a file called repro.yaml)
 
 Override values are passed to the CLI as ``--key=value``: strings as they are, everything else
-as JSON, so numbers, booleans, ``null``, lists and mappings keep their types. Unknown keys fail
-the spec before anything runs; a bad override value fails its runs, with the CLI's one-line error
-in the record. Besides the overrides, every call gets ``--seed_everything``,
+as JSON, so numbers, booleans, ``null``, lists and mappings keep their types. Before anything
+runs, the first CLI call of each variant is parsed in-process with ``--print_config``: an unknown
+key or a value of the wrong type fails the spec with the CLI's one-line error; a value that a
+component rejects when it is built fails that variant's runs, with the error in the record.
+Besides the overrides, every call gets ``--seed_everything``,
 ``--trainer.default_root_dir=<run dir>`` and ``--metrics_file``; ``fit`` also gets a
 ``ModelCheckpoint(dirpath=<run dir>/checkpoints, save_last=True, save_top_k=0)`` appended to
 ``trainer.callbacks`` (so the base config must not set ``trainer.enable_checkpointing: false``),
@@ -82,7 +84,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import hashlib
+import io
 import itertools
 import json
 import math
@@ -337,6 +342,7 @@ class RunRecord:
         command: The shell line that reproduces the run.
         wall_s: Wall time in seconds (``None`` for collected runs).
         error: The failure (the last lines of the failing stage's log), or ``None``.
+        base_sha256: Hash of the base config files' contents: editing them invalidates resume.
     """
 
     variant: str
@@ -351,12 +357,21 @@ class RunRecord:
     command: str
     wall_s: float | None = None
     error: str | None = None
+    base_sha256: str = ""
 
     def same_run(self, other: RunRecord) -> bool:
         """Whether ``other`` describes the same run configuration (used to resume)."""
         return all(
             getattr(self, name) == getattr(other, name)
-            for name in ("variant", "seed", "overrides", "stages", "base", "shared_fit")
+            for name in (
+                "variant",
+                "seed",
+                "overrides",
+                "stages",
+                "base",
+                "base_sha256",
+                "shared_fit",
+            )
         )
 
 
@@ -493,8 +508,16 @@ class _Run:
             shared_fit=self.shared_fit,
             run_dir=str(self.run_dir),
             command=self.shell(),
+            base_sha256=_files_sha256(base),
             **outcome,
         )
+
+
+def _files_sha256(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
 
 
 def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Run]]:
@@ -709,6 +732,8 @@ def run_sweep(
         spec = SweepSpec.from_yaml(spec)
     out = Path(out if out is not None else Path("sweeps") / spec.name).resolve()
     fits, runs = _plan(spec, out, quick)
+    if not collect:
+        _check_calls(spec, [*fits, *runs])
 
     if dry_run:
         if fits:
@@ -730,6 +755,29 @@ def run_sweep(
         _execute_all(spec, results, fits, runs, jobs)
     results.write()
     return _report(spec, out, results.records())
+
+
+def _check_calls(spec: SweepSpec, runs: list[_Run]) -> None:
+    """Parse the first call of each variant in-process (``--print_config``, nothing runs), so
+    that a misspelled key or a bad value fails the spec before any run starts."""
+    from ada_modules.cli import main
+
+    checked = set()
+    for run in runs:
+        if run.variant in checked:
+            continue
+        checked.add(run.variant)
+        stage, args = run.calls[0]
+        errors = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+            try:
+                main([stage, *args, "--print_config"])
+            except SystemExit as exit_info:
+                if exit_info.code:
+                    message = errors.getvalue().strip().splitlines()[-1]
+                    message = message.removeprefix("ada: error: ")
+                    what = "the shared fit" if run.variant == _SHARED_FIT else run.variant
+                    raise SweepSpecError(f"{spec.path}: {what!r}: {message}") from None
 
 
 def _execute_all(
@@ -766,6 +814,7 @@ def _execute_all(
             return
         if run.variant == _SHARED_FIT:
             rerun_fits.add(run.seed)
+        print(f"[start] {label(run)}", file=sys.stderr, flush=True)
         record = run.record(spec.base, **_execute(run, spec.metrics, env))
         results.set(record)
         outcome = f"{record.status} ({record.wall_s:.1f} s)"
@@ -850,7 +899,7 @@ def sweep_main(argv: list[str]) -> int:
             dry_run=args.dry_run,
             collect=args.collect,
         )
-    except (ArgumentError, ValueError) as error:
+    except (ArgumentError, ValueError, OSError) as error:
         message = " ".join(str(error).split())
         print(f"ada sweep: error: {message}", file=sys.stderr)
         return 2

@@ -11,14 +11,19 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from lightning.pytorch import seed_everything  # noqa: E402
 
+from ada_modules.kernels import triton_available  # noqa: E402
+
 HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_triton = pytest.mark.skip(reason="triton is not installed (e.g. macOS)")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if "triton" in item.keywords and not triton_available():
+            item.add_marker(skip_triton)
 
 
 @pytest.fixture

@@ -64,6 +64,7 @@ def test_print_config_resolves_defaults(capsys):
         ("--model.class_path=torch.nn.Linear", "torch.nn.Linear"),
         ("--trainer.max_steps=abc", "trainer.max_steps"),
         ("--trainer.max_stepz=3", "max_stepz"),
+        ("--model.init_args.hiden_size=64", "model: Problem with given class_path"),
         ("--data.init_args.max_digits=abc", "data.max_digits: Expected a <class 'int'>"),
         ("--model.init_args.optimizer.class_path=torch.optim.Adamz", "model.optimizer: module"),
         ("--model.init_args.lr_scheduler.init_args.warmup_steps=x", "lr_scheduler.warmup_steps"),

@@ -44,6 +44,7 @@ def subprocess_env():
     with pytest.MonkeyPatch.context() as patch:
         path = os.pathsep.join(filter(None, [str(FIXTURES), os.environ.get("PYTHONPATH")]))
         patch.setenv("PYTHONPATH", path)
+        patch.syspath_prepend(str(FIXTURES))  # the in-process check of each variant's call
         patch.setenv("OMP_NUM_THREADS", "1")
         yield
 
@@ -248,6 +249,29 @@ def test_override_values_keep_their_types_through_jsonargparse():
     assert vars(parser.parse_args(args)) == values
 
 
+def test_misspelled_override_key_fails_before_any_run(tmp_path, monkeypatch):
+    launched = count_launches(monkeypatch)
+    spec = write_spec(
+        tmp_path, "variants:\n  - {name: typo, overrides: {model.init_args.scroe: 1.0}}\n"
+    )
+    with pytest.raises(SweepSpecError, match=r"'typo': model: .*'scroe' is not accepted"):
+        run_sweep(spec, out=tmp_path / "out")
+    assert launched == [] and not (tmp_path / "out").exists()
+
+
+def test_editing_the_base_config_invalidates_resume(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text(BASE.read_text(), encoding="utf-8")
+    spec = SweepSpec.from_dict(
+        {"base": str(base), "metrics": ["test/score"], "seeds": [0]}, tmp_path / "spec.yaml"
+    )
+    _, (run,) = sweep._plan(spec, tmp_path, quick=False)
+    before = run.record(spec.base, status="ok", metrics={})
+    base.write_text(BASE.read_text() + "\n# edited\n", encoding="utf-8")
+    after = run.record(spec.base, status="ok", metrics={})
+    assert before.base == after.base and not before.same_run(after)
+
+
 def test_common_variant_and_quick_overrides_in_that_order(tmp_path):
     spec = write_spec(
         tmp_path,
@@ -392,7 +416,9 @@ def test_sweep_writes_results_json_md_and_plots(main_sweep):
     assert EXPECTED_TABLE in stdout
     for name in ("test_score.png", "test_steps.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
-    progress = [line for line in stderr.splitlines() if line.startswith("[")]
+    started = [line for line in stderr.splitlines() if line.startswith("[start] ")]
+    assert sorted(started) == [f"[start] variant={v} seed={s}" for v in "ab" for s in (0, 1)]
+    progress = [line for line in stderr.splitlines() if line.startswith("[") and line[1].isdigit()]
     assert len(progress) == 4 and all(line.endswith(" s)") for line in progress)
     assert sorted(line[:6] for line in progress) == ["[1/4] ", "[2/4] ", "[3/4] ", "[4/4] "]
 

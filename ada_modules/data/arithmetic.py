@@ -44,7 +44,9 @@ class ArithmeticDataModule(SequenceTaskDataModule):
     Args:
         min_digits: Fewest digits of an operand.
         max_digits: Most digits of an operand.
-        seed: Seed of the three example streams; equal seeds give equal data.
+        seed: Seed of the three example streams; equal seeds give equal data. ``None`` takes
+            the seed of ``seed_everything`` (``PL_GLOBAL_SEED``; 0 when unset), so a sweep's
+            seeds vary the data too.
         num_train: Number of training examples.
         num_val: Number of validation examples.
         num_test: Number of test (and predict) examples.
@@ -66,7 +68,7 @@ class ArithmeticDataModule(SequenceTaskDataModule):
         self,
         min_digits: int = 1,
         max_digits: int = 3,
-        seed: int = 0,
+        seed: int | None = None,
         num_train: int = 10_000,
         num_val: int = 256,
         num_test: int = 256,

@@ -39,7 +39,9 @@ class RecallDataModule(SequenceTaskDataModule):
         motif_length: Length of the repeated motif of a filler segment.
         filler_alphabet: Characters that motifs are drawn from.
         filler_loss: Put LM loss on the predictable part of the filler (after its first motif).
-        seed: Seed of the three example streams; equal seeds give equal data.
+        seed: Seed of the three example streams; equal seeds give equal data. ``None`` takes
+            the seed of ``seed_everything`` (``PL_GLOBAL_SEED``; 0 when unset), so a sweep's
+            seeds vary the data too.
         num_train: Number of training examples.
         num_val: Number of validation examples.
         num_test: Number of test (and predict) examples.
@@ -70,7 +72,7 @@ class RecallDataModule(SequenceTaskDataModule):
         motif_length: int = 3,
         filler_alphabet: str = string.ascii_uppercase,
         filler_loss: bool = False,
-        seed: int = 0,
+        seed: int | None = None,
         num_train: int = 10_000,
         num_val: int = 256,
         num_test: int = 256,

@@ -1,6 +1,7 @@
 """Base LightningDataModule for synthetic prompt -> completion tasks and their batch collator."""
 
 import hashlib
+import os
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -105,7 +106,9 @@ class SequenceTaskDataModule(LightningDataModule, ABC):
     contain no duplicate prompts; the training split may repeat a prompt.
 
     Args:
-        seed: Seed of the three example streams; equal seeds give equal data.
+        seed: Seed of the three example streams; equal seeds give equal data. ``None`` takes
+            the seed of ``seed_everything`` (``PL_GLOBAL_SEED``; 0 when unset), so a sweep's
+            seeds vary the data too.
         num_train: Number of training examples.
         num_val: Number of validation examples.
         num_test: Number of test (and predict) examples.
@@ -119,7 +122,7 @@ class SequenceTaskDataModule(LightningDataModule, ABC):
 
     def __init__(
         self,
-        seed: int = 0,
+        seed: int | None = None,
         num_train: int = 10_000,
         num_val: int = 256,
         num_test: int = 256,
@@ -143,8 +146,10 @@ class SequenceTaskDataModule(LightningDataModule, ABC):
             raise ValueError(
                 f"eval_batch_size must be None or an integer >= 1, got {eval_batch_size!r}"
             )
+        if seed is None:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         if not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer, got {seed!r}")
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
         self.seed = seed
         self.num_train = num_train
         self.num_val = num_val

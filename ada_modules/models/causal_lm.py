@@ -187,12 +187,13 @@ class CausalLMModule(LightningModule):
     @torch.no_grad()
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
-    ) -> tuple[list[str], torch.Tensor, float]:
+    ) -> tuple[list[list[int]], float]:
         """Greedily complete left-padded prompts.
 
         Returns:
-            The decoded completions, the number of generated tokens per prompt (up to and including
-            the end token) and the wall time of ``generate`` in seconds.
+            Per prompt, the generated token ids up to and including the first end token (all of
+            them when generation hit ``max_new_tokens`` first), and the wall time of ``generate``
+            in seconds.
         """
         kwargs: dict[str, Any] = {}
         if self.cache_factory is not None:
@@ -209,19 +210,31 @@ class CausalLMModule(LightningModule):
         if prompt_ids.is_cuda:
             torch.cuda.synchronize(prompt_ids.device)
         elapsed = time.perf_counter() - start
-        new_tokens = sequences[:, prompt_ids.shape[1] :]
-        is_eos = new_tokens == self.tokenizer.eos_id
-        first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, new_tokens.shape[1])
-        texts = [self.tokenizer.decode(row) for row in new_tokens.tolist()]
-        return texts, first_eos, elapsed
+        completions = []
+        for row in sequences[:, prompt_ids.shape[1] :].tolist():
+            end = row.index(self.tokenizer.eos_id) + 1 if self.tokenizer.eos_id in row else len(row)
+            completions.append(row[:end])
+        return completions, elapsed
+
+    def setup(self, stage: str) -> None:
+        # Per-hop accuracies exist from the start (same metrics on every rank) when the
+        # datamodule says how many hops its queries have.
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer else None
+        for hops in range(1, getattr(datamodule, "max_hops", 0) + 1):
+            for split in ("val", "test"):
+                if f"{split}_{hops}" not in self.hop_metrics:
+                    self.hop_metrics[f"{split}_{hops}"] = MeanMetric()
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
         batch_size = batch["prompt_ids"].shape[0]
-        texts, lengths, elapsed = self.generate(batch["prompt_ids"], batch["prompt_mask"])
+        completions, elapsed = self.generate(batch["prompt_ids"], batch["prompt_mask"])
+        # Exact match on token ids: the completion and its end token, nothing else (a stray
+        # special token or a missing end token is wrong, which decoding to text would hide).
+        targets = [self.tokenizer.encode(t, add_eos=True) for t in batch["targets"]]
         correct = torch.tensor(
-            [float(t == target) for t, target in zip(texts, batch["targets"], strict=True)],
-            device=self.device,
+            [float(c == t) for c, t in zip(completions, targets, strict=True)], device=self.device
         )
+        lengths = torch.tensor([len(c) for c in completions], device=self.device)
         updates = {
             "loss": (self._loss(batch), batch_size),
             "exact_match": (correct, 1.0),
@@ -239,14 +252,13 @@ class CausalLMModule(LightningModule):
             for hops in batch["hops"].unique().tolist():
                 selected = batch["hops"] == hops
                 key = f"{stage}_{hops}"
-                if key not in self.hop_metrics:
+                if key not in self.hop_metrics:  # no datamodule told setup() the hop range
                     self.hop_metrics[key] = MeanMetric().to(self.device)
                 self.hop_metrics[key].update(correct[selected].mean(), selected.sum())
                 self.log(
                     f"{stage}/exact_match_hop{hops}",
                     self.hop_metrics[key],
                     batch_size=batch_size,
-                    # Lightning indexes metric attributes once, before this one existed.
                     metric_attribute=f"hop_metrics.{key}",
                 )
 
@@ -257,7 +269,8 @@ class CausalLMModule(LightningModule):
         self._evaluate(batch, "test")
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
-        return self.generate(batch["prompt_ids"], batch["prompt_mask"])[0]
+        completions, _ = self.generate(batch["prompt_ids"], batch["prompt_mask"])
+        return [self.tokenizer.decode(ids) for ids in completions]
 
     def configure_optimizers(self) -> Any:
         decay, no_decay = [], []

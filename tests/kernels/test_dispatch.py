@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from ada_modules.kernels import _dispatch
-from ada_modules.kernels._dispatch import interpreter_enabled, resolve_impl, triton_available
-
-needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+from ada_modules.kernels._dispatch import interpreter_enabled, resolve_impl
 
 
 def test_torch_is_always_the_reference():
@@ -18,13 +16,13 @@ def test_auto_picks_torch_for_cpu_tensors(monkeypatch):
     assert resolve_impl("auto", torch.zeros(2), torch.zeros(3)) == "torch"
 
 
-@needs_triton
+@pytest.mark.triton
 def test_triton_on_cpu_with_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_impl("triton", torch.zeros(2)) == "triton"
 
 
-@needs_triton
+@pytest.mark.triton
 def test_triton_on_cpu_without_the_interpreter_names_device_and_fix(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"on cpu; .*set TRITON_INTERPRET=1"):

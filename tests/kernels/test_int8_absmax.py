@@ -20,7 +20,7 @@ from ada_modules.kernels.int8_absmax import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 1), (3, 17), (5, 130), (2, 3, 40), (7,), (2, 4100)]  # 4100: more than one chunk
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-IMPLS = ["torch", "triton"]
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
 def _roundtrip_bound(scale: torch.Tensor) -> torch.Tensor:
@@ -28,6 +28,7 @@ def _roundtrip_bound(scale: torch.Tensor) -> torch.Tensor:
     return (scale / 2 * (1 + 1e-5)).unsqueeze(-1)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernel_matches_reference(seed, shape, dtype):
@@ -44,6 +45,7 @@ def test_kernel_matches_reference(seed, shape, dtype):
     assert torch.equal(x_hat, dequantize_int8_absmax_reference(q, scale))
 
 
+@pytest.mark.triton
 def test_codes_agree_next_to_half_steps(seed):
     # Values at (k + 1/2) steps land within an ulp of a rounding boundary, so any difference in how
     # the kernel and the reference divide, multiply or round changes some codes.
@@ -87,6 +89,7 @@ def test_ties_round_half_to_even(impl):
     assert q.tolist() == [[127, 0, 2, 2, 0, -2, -2, 126]]
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize(
     "make",
     [
@@ -124,6 +127,7 @@ def test_auto_runs_the_reference_on_cpu(monkeypatch):
     dequantize_int8_absmax(*quantize_int8_absmax(x))
 
 
+@pytest.mark.triton
 def test_triton_on_cpu_without_interpreter_raises(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"cpu.*TRITON_INTERPRET=1"):
