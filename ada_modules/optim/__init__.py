@@ -1,6 +1,28 @@
 """``torch.optim.Optimizer`` subclasses, their reference baselines, param-group helpers and
-learning-rate schedules usable from YAML by class path."""
+learning-rate schedules usable from YAML by class path.
 
+- :class:`AcceleGradSharp` (AcceleGrad#) and :class:`AcceleGrad` (Levy et al., 2018),
+- :class:`Scion` (norm-constrained LMO steps, constrained and unconstrained),
+- :mod:`ada_modules.optim.lmo` (norms with their dual norms, LMOs and sharp operators) and
+  :func:`newton_schulz`,
+- :func:`geometry_param_groups` (which layer gets which norm),
+- :class:`WarmupCosineLR`.
+"""
+
+from ada_modules.optim import lmo
+from ada_modules.optim.accelegrad import AcceleGrad
+from ada_modules.optim.accelegrad_sharp import AcceleGradSharp
 from ada_modules.optim.lr_schedulers import WarmupCosineLR
+from ada_modules.optim.newton_schulz import newton_schulz
+from ada_modules.optim.param_groups import geometry_param_groups
+from ada_modules.optim.scion import Scion
 
-__all__ = ["WarmupCosineLR"]
+__all__ = [
+    "AcceleGrad",
+    "AcceleGradSharp",
+    "Scion",
+    "WarmupCosineLR",
+    "geometry_param_groups",
+    "lmo",
+    "newton_schulz",
+]

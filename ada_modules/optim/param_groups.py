@@ -1,0 +1,163 @@
+"""Parameter groups with a norm per layer role, for optimizers with per-layer geometry.
+
+:func:`geometry_param_groups` plays the part of timm's param-group helpers for
+:class:`~ada_modules.optim.accelegrad_sharp.AcceleGradSharp` and Scion: it decides which layer gets
+which norm of :mod:`ada_modules.optim.lmo` (Scion's recipe) and returns groups with the keys
+``params``, ``param_names``, ``norm`` and, when given, ``radius``.
+"""
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from torch import nn
+
+from ada_modules.optim.lmo import NORM_NAMES, Norm, get_norm
+
+__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_ROLE_NORMS", "ROLES", "Role", "geometry_param_groups"]
+
+Role = Literal["embedding", "hidden", "conv", "vector", "head"]
+ROLES: tuple[Role, ...] = ("embedding", "hidden", "conv", "vector", "head")
+"""Layer roles, in the order the groups are returned."""
+DEFAULT_ROLE_NORMS: dict[Role, str] = {
+    "embedding": "colnorm",
+    "hidden": "spectral",
+    "conv": "spectral_conv",
+    "vector": "rms",
+    "head": "sign",
+}
+"""Norm per role (embeddings use ``colnorm`` transposed: one column per token)."""
+DEFAULT_HEAD_NAMES: tuple[str, ...] = ("lm_head", "head", "classifier", "output", "fc_out")
+"""Module names (last component) recognised as the output head."""
+
+
+def geometry_param_groups(
+    model: nn.Module,
+    *,
+    head: str | None = None,
+    head_names: Iterable[str] = DEFAULT_HEAD_NAMES,
+    norms: Mapping[Role, str | Norm] | None = None,
+    radii: Mapping[Role, float] | None = None,
+    **overrides: Any,
+) -> list[dict[str, Any]]:
+    """One parameter group per layer role, each with its norm.
+
+    Roles, decided per trainable parameter (shared parameters once):
+
+    - ``"embedding"``: weights of :class:`~torch.nn.Embedding` → ``colnorm`` with ``transpose=True``
+      (the weight is ``(vocab, dim)``: each token's vector is one column of the linear map);
+    - ``"head"``: the weight of the output head → ``sign``. The head is the module named ``head``
+      if given, else the last module whose name ends in one of ``head_names`` and has a 2-D
+      weight, else the last :class:`~torch.nn.Linear` of the model;
+    - ``"conv"``: weights with three or more dimensions (convolutions) → ``spectral_conv``;
+    - ``"hidden"``: the other 2-D weights → ``spectral``;
+    - ``"vector"``: 0-D and 1-D tensors (biases, norm gains, the head's bias) → ``rms``.
+
+    Args:
+        model: The model.
+        head: Qualified module name of the output head (``None``: found as described above).
+        head_names: Last name components that mark a head.
+        norms: Norm per role, replacing the defaults (a name or a :class:`~ada_modules.optim.lmo.Norm`).
+        radii: ``radius`` per role (Scion's ``rho``; the clip in AcceleGrad#'s ``"lmo"`` geometry).
+        **overrides: Keys added to every group (e.g. ``lr``).
+
+    Returns:
+        Non-empty groups in the order of :data:`ROLES`, each with ``params``, ``param_names``,
+        ``norm``, ``role`` and ``radius`` when given in ``radii``.
+
+    Raises:
+        ValueError: If ``head`` names no module, a role or norm name is unknown, or
+            ``overrides`` sets ``params``/``norm``.
+
+    Example:
+        >>> import torch
+        >>> from ada_modules.optim.accelegrad_sharp import AcceleGradSharp
+        >>> class TinyLM(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.embed = nn.Embedding(50, 16)
+        ...         self.block = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        ...         self.lm_head = nn.Linear(16, 50, bias=False)
+        >>> groups = geometry_param_groups(TinyLM(), radii={"head": 50.0})
+        >>> [(g["role"], len(g["params"])) for g in groups]
+        [('embedding', 1), ('hidden', 4), ('vector', 8), ('head', 1)]
+        >>> groups[0]["norm"], groups[-1]["norm"], groups[-1]["radius"]
+        (ColNorm(normalized=False, transpose=True), 'sign', 50.0)
+        >>> opt = AcceleGradSharp(groups, lr=0.01)
+    """
+    for key in ("params", "norm", "param_names", "role"):
+        if key in overrides:
+            raise ValueError(f"overrides must not set {key!r}; it is decided per role")
+    role_norms: dict[Role, str | Norm] = {
+        **DEFAULT_ROLE_NORMS,
+        "embedding": get_norm("colnorm", transpose=True),
+    }
+    for role, norm in (norms or {}).items():
+        _check_role(role)
+        if not isinstance(norm, Norm) and norm not in NORM_NAMES:
+            raise ValueError(f"unknown norm {norm!r} for role {role!r}; allowed: {NORM_NAMES}")
+        role_norms[role] = norm
+    for role in radii or {}:
+        _check_role(role)
+
+    modules = dict(model.named_modules())
+    head_module = _find_head(modules, head, tuple(head_names))
+    buckets: dict[Role, list[tuple[str, nn.Parameter]]] = {role: [] for role in ROLES}
+    seen: set[int] = set()
+    for mod_name, module in modules.items():
+        for p_name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            buckets[_role(module, p, head_module)].append((full, p))
+
+    groups = []
+    for role in ROLES:
+        if not buckets[role]:
+            continue
+        group: dict[str, Any] = {
+            "params": [p for _, p in buckets[role]],
+            "param_names": [n for n, _ in buckets[role]],
+            "norm": role_norms[role],
+            "role": role,
+            **overrides,
+        }
+        if radii and role in radii:
+            group["radius"] = radii[role]
+        groups.append(group)
+    return groups
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
+
+
+def _find_head(
+    modules: dict[str, nn.Module], head: str | None, names: tuple[str, ...]
+) -> nn.Module:
+    if head is not None:
+        if head not in modules:
+            raise ValueError(f"head={head!r} names no module of the model")
+        return modules[head]
+    named = [
+        m
+        for n, m in modules.items()
+        if n.rsplit(".", 1)[-1] in names
+        and getattr(m, "weight", None) is not None
+        and m.weight.ndim == 2
+    ]
+    if named:
+        return named[-1]
+    linears = [m for m in modules.values() if isinstance(m, nn.Linear)]
+    return linears[-1] if linears else nn.Identity()
+
+
+def _role(module: nn.Module, p: nn.Parameter, head: nn.Module) -> Role:
+    if p.ndim <= 1:
+        return "vector"
+    if module is head and p is getattr(module, "weight", None):
+        return "head"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    return "conv" if p.ndim >= 3 else "hidden"

@@ -1,0 +1,120 @@
+"""geometry_param_groups: which layer gets which norm, on a tiny transformer and a tiny CNN."""
+
+import pytest
+import torch
+from torch import nn
+
+from ada_modules.optim.accelegrad_sharp import AcceleGradSharp
+from ada_modules.optim.lmo import ColNorm
+from ada_modules.optim.param_groups import geometry_param_groups
+
+
+class TinyLM(nn.Module):
+    def __init__(self, tie: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 8)
+        self.block = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+        self.lm_head = nn.Linear(8, 30, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(self.block(self.embed(tokens))))
+
+
+def _cnn() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 16),
+        nn.ReLU(),
+        nn.Linear(16, 10),
+    )
+
+
+def _norm_of(groups: list[dict]) -> dict[str, object]:
+    return {n: g["norm"] for g in groups for n in g["param_names"]}
+
+
+def test_transformer_roles() -> None:
+    model = TinyLM()
+    groups = geometry_param_groups(model, radii={"head": 50.0, "hidden": 3.0}, lr=0.01)
+    norms = _norm_of(groups)
+    assert isinstance(norms["embed.weight"], ColNorm) and norms["embed.weight"].transpose
+    assert norms["lm_head.weight"] == "sign"
+    for name in ("block.self_attn.in_proj_weight", "block.self_attn.out_proj.weight"):
+        assert norms[name] == "spectral"
+    for name in ("block.linear1.weight", "block.linear2.weight"):
+        assert norms[name] == "spectral"
+    for name in ("block.linear1.bias", "block.norm1.weight", "norm.weight", "norm.bias"):
+        assert norms[name] == "rms"
+    by_role = {g["role"]: g for g in groups}
+    assert by_role["head"]["radius"] == 50.0 and by_role["hidden"]["radius"] == 3.0
+    assert "radius" not in by_role["vector"] and all(g["lr"] == 0.01 for g in groups)
+    names = [n for g in groups for n in g["param_names"]]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_groups_drive_accelegrad_sharp() -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = AcceleGradSharp(geometry_param_groups(model), lr=0.02)
+    tokens = torch.randint(0, 30, (8, 6))
+    losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 30), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_tied_weights_counted_once_as_embedding() -> None:
+    groups = geometry_param_groups(TinyLM(tie=True))
+    names = [n for g in groups for n in g["param_names"]]
+    assert "embed.weight" in names and "lm_head.weight" not in names
+    assert len(names) == len(set(names))
+
+
+def test_cnn_roles_and_last_linear_head() -> None:
+    norms = _norm_of(geometry_param_groups(_cnn()))
+    assert norms["0.weight"] == "spectral_conv" and norms["3.weight"] == "spectral_conv"
+    assert norms["6.weight"] == "spectral"
+    assert norms["8.weight"] == "sign"  # no head by name: the last Linear
+    assert norms["1.weight"] == "rms" and norms["8.bias"] == "rms"
+
+
+def test_explicit_head_and_norm_override() -> None:
+    groups = geometry_param_groups(
+        _cnn(), head="6", norms={"hidden": "euclidean", "head": "rownorm"}
+    )
+    norms = _norm_of(groups)
+    assert norms["6.weight"] == "rownorm" and norms["8.weight"] == "euclidean"
+
+
+def test_frozen_parameters_left_out() -> None:
+    model = _cnn()
+    model[0].weight.requires_grad_(False)
+    assert "0.weight" not in _norm_of(geometry_param_groups(model))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"head": "nope"}, "nope"),
+        ({"norms": {"hidden": "nuclear"}}, "nuclear"),
+        ({"norms": {"body": "sign"}}, "body"),
+        ({"radii": {"body": 1.0}}, "body"),
+        ({"norm": "sign"}, "norm"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        geometry_param_groups(_cnn(), **kwargs)
