@@ -16,7 +16,7 @@ def addition_scratchpad(a: int, b: int) -> str:
     length) and the carry ``c`` from the previous step; ``s`` is their sum, whose tens digit is the
     next carry.
 
-    Example:
+    Examples:
         >>> addition_scratchpad(57, 8)
         '7+8+0=15,5+0+1=6>65'
     """
@@ -57,7 +57,7 @@ class ArithmeticDataModule(SequenceTaskDataModule):
     Raises:
         ValueError: If an argument is out of range, naming the argument.
 
-    Example:
+    Examples:
         >>> dm = ArithmeticDataModule(min_digits=2, max_digits=3, num_val=8, num_test=8)
         >>> dm.setup("test")
         >>> dm.reward("4+1+0=5>5", "5")

@@ -52,7 +52,7 @@ class RecallDataModule(SequenceTaskDataModule):
     Raises:
         ValueError: If an argument is out of range, naming the argument.
 
-    Example:
+    Examples:
         >>> dm = RecallDataModule(num_pairs=8, max_hops=2, num_train=64, num_val=8, num_test=8)
         >>> dm.setup("fit")
         >>> batch = next(iter(dm.train_dataloader()))

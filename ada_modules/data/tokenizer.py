@@ -15,7 +15,7 @@ class CharTokenizer:
     by digits, lower- and upper-case ASCII letters and a few punctuation characters. Because the
     vocabulary never depends on the data, a model built for one task works for every task.
 
-    Example:
+    Examples:
         >>> tok = CharTokenizer()
         >>> ids = tok.encode("ab:cd", add_bos=True, add_eos=True)
         >>> ids[0] == tok.bos_id and ids[-1] == tok.eos_id

@@ -25,7 +25,7 @@ _TRUE_VALUES = frozenset({"1", "true", "on", "yes"})
 def triton_available() -> bool:
     """Return whether triton can be imported here (it is installed and loads).
 
-    Example:
+    Examples:
         >>> isinstance(triton_available(), bool)
         True
     """
@@ -42,7 +42,7 @@ def interpreter_enabled() -> bool:
     Triton reads the variable once, when it is first imported, so set it before that (the test suite
     does so in ``tests/conftest.py``).
 
-    Example:
+    Examples:
         >>> isinstance(interpreter_enabled(), bool)
         True
     """
@@ -68,7 +68,7 @@ def resolve_impl(impl: Impl, *tensors: torch.Tensor) -> Literal["triton", "torch
             interpreter is off.
         RuntimeError: If ``impl="triton"`` is asked for and triton cannot be imported.
 
-    Example:
+    Examples:
         >>> resolve_impl("auto", torch.zeros(2, 3))
         'torch'
         >>> resolve_impl("torch", torch.zeros(2, 3))

@@ -147,7 +147,7 @@ def quantize_int8_absmax_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     Returns:
         ``(q, scale)``: int8 codes shaped like ``x`` and fp32 scales shaped ``x.shape[:-1]``.
 
-    Example:
+    Examples:
         >>> q, scale = quantize_int8_absmax_reference(torch.tensor([[1.0, -2.0], [0.0, 0.0]]))
         >>> q.tolist(), scale.tolist()
         ([[64, -127], [0, 0]], [0.015748031437397003, 0.0])
@@ -202,7 +202,7 @@ def quantize_int8_absmax(x: torch.Tensor, impl: Impl = "auto") -> tuple[torch.Te
         ValueError: If ``x`` is 0-d or its last dimension is empty, or ``impl`` cannot run (see
             :func:`~ada_modules.kernels.resolve_impl`).
 
-    Example:
+    Examples:
         >>> x = torch.randn(4, 64)
         >>> q, scale = quantize_int8_absmax(x)
         >>> q.dtype, tuple(q.shape), tuple(scale.shape)
@@ -224,7 +224,7 @@ def dequantize_int8_absmax_reference(q: torch.Tensor, scale: torch.Tensor) -> to
     Returns:
         fp32 tensor shaped like ``q``: ``q * scale[..., None]``.
 
-    Example:
+    Examples:
         >>> dequantize_int8_absmax_reference(
         ...     torch.tensor([[64, -127]], dtype=torch.int8), torch.tensor([0.5])
         ... ).tolist()
@@ -270,7 +270,7 @@ def dequantize_int8_absmax(
         ValueError: If ``q`` is 0-d, ``scale`` has the wrong shape, or ``impl`` cannot run (see
             :func:`~ada_modules.kernels.resolve_impl`).
 
-    Example:
+    Examples:
         >>> x = torch.randn(4, 64)
         >>> x_hat = dequantize_int8_absmax(*quantize_int8_absmax(x))
         >>> bool(((x - x_hat).abs() <= x.abs().amax(-1, keepdim=True) / 254 + 1e-6).all())

@@ -70,7 +70,7 @@ class CausalLMModule(LightningModule):
     Raises:
         ValueError: If an argument is out of range, naming the argument.
 
-    Example:
+    Examples:
         >>> from transformers import DynamicCache
         >>> module = CausalLMModule(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
         ...                         intermediate_size=64, cache_factory=DynamicCache)

@@ -19,7 +19,7 @@ __all__ = ["AcceleGrad", "accelegrad_alpha"]
 def accelegrad_alpha(t: int) -> float:
     """The AcceleGrad weight ``alpha_t``: 1 for ``t <= 2`` and ``(t + 1) / 4`` for ``t >= 3``.
 
-    Example:
+    Examples:
         >>> [accelegrad_alpha(t) for t in range(6)]
         [1.0, 1.0, 1.0, 1.0, 1.25, 1.5]
     """
@@ -61,7 +61,7 @@ class AcceleGrad(Optimizer):
     Raises:
         ValueError: If ``lr``, ``g0`` or ``proj_radius`` is not positive.
 
-    Example:
+    Examples:
         >>> import torch
         >>> w = torch.nn.Parameter(torch.tensor([3.0, -2.0]))
         >>> opt = AcceleGrad([w], lr=4.0)

@@ -95,7 +95,7 @@ class AcceleGradSharp(Optimizer):
             not fit a tensor's shape (spectral on a 1-D tensor), or sparse gradients (at the step).
         TypeError: For complex or non-floating parameters.
 
-    Example:
+    Examples:
         >>> import torch
         >>> _ = torch.manual_seed(0)
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -304,7 +304,7 @@ class AcceleGradSharp(Optimizer):
         The coupling point ``x`` is restored bitwise on exit; parameters that never took a step
         are left alone.
 
-        Example:
+        Examples:
             >>> import torch
             >>> w = torch.nn.Parameter(torch.ones(3))
             >>> opt = AcceleGradSharp([w], lr=0.1, output="average")

@@ -91,7 +91,7 @@ class Norm(ABC):
     Subclasses implement :meth:`lmo_and_dual` and :meth:`norm`; the other operations derive from
     them. Norm objects hold only options, never shapes, so one instance serves every parameter.
 
-    Example:
+    Examples:
         >>> import torch
         >>> norm = get_norm("euclidean")
         >>> g = torch.tensor([3.0, 4.0])
@@ -219,7 +219,7 @@ class RMS(_BlockL2):
 
     ``lmo(g) = −√n g/‖g‖_F`` has entries of RMS one; ``‖g‖_* = √n ‖g‖_F``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> RMS().lmo(torch.tensor([1.0, 0.0, 0.0, 0.0]))
         tensor([-2., -0., -0., -0.])
@@ -244,7 +244,7 @@ class ColNorm(_BlockL2):
         transpose: Normalise rows instead, for ``nn.Embedding`` weights ``[vocab, dim]`` whose
             rows are the token vectors (then ``d_out = dim``).
 
-    Example:
+    Examples:
         >>> import torch
         >>> ColNorm().lmo(torch.tensor([[3.0, 0.0], [4.0, 0.0]]))
         tensor([[-0.6000, -0.0000],
@@ -354,7 +354,7 @@ class Spectral(Norm):
         dtype: Newton–Schulz's computation dtype (``None``: float32, float64 for float64
             tensors; ``torch.bfloat16`` is faster on CUDA).
 
-    Example:
+    Examples:
         >>> import torch
         >>> g = torch.diag(torch.tensor([2.0, 1.0]))
         >>> norm = Spectral(steps=10)
@@ -436,7 +436,7 @@ def get_norm(name: str, **kwargs: Any) -> Norm:
         ValueError: If ``name`` is unknown (the message lists the allowed names).
         TypeError: If an option is not one of the norm's.
 
-    Example:
+    Examples:
         >>> get_norm("colnorm", transpose=True)
         ColNorm(normalized=False, transpose=True)
     """
@@ -452,7 +452,7 @@ def auto_norm(param: Tensor) -> str:
     for stacks of expert matrices ``[E, out, in]``); 2: ``"spectral"``; 0 or 1: ``"rms"``.
     Embeddings and output heads are 2-D too: give them ``"colnorm"``/``"sign"`` explicitly.
 
-    Example:
+    Examples:
         >>> import torch
         >>> auto_norm(torch.zeros(8, 3, 3, 3))
         'spectral_conv'

@@ -25,7 +25,7 @@ class WarmupCosineLR(LRScheduler):
     Raises:
         ValueError: If ``warmup_steps``, ``total_steps`` or ``min_lr_ratio`` is out of range.
 
-    Example:
+    Examples:
         >>> import torch
         >>> opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
         >>> sched = WarmupCosineLR(opt, warmup_steps=10, total_steps=100)

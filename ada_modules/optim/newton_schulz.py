@@ -53,7 +53,7 @@ def newton_schulz(
             not positive.
         TypeError: If ``g`` or ``dtype`` is not a real floating type.
 
-    Example:
+    Examples:
         >>> import torch
         >>> g = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
         >>> o = newton_schulz(g)

@@ -68,7 +68,7 @@ def geometry_param_groups(
         ValueError: If ``head`` names no module, a role or norm name is unknown, or
             ``overrides`` sets ``params``/``norm``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from ada_modules.optim.accelegrad_sharp import AcceleGradSharp
         >>> class TinyLM(nn.Module):

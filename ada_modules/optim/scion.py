@@ -57,7 +57,7 @@ class Scion(Optimizer):
         TypeError: If a parameter is complex or not floating, or an option has the wrong type.
         RuntimeError: At :meth:`step`, if a gradient is sparse.
 
-    Example:
+    Examples:
         >>> import torch
         >>> _ = torch.manual_seed(0)
         >>> model = torch.nn.Sequential(
