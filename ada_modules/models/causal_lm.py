@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from ada_modules.data.tokenizer import CharTokenizer
+from ada_modules.optim.param_groups import geometry_param_groups
 
 __all__ = ["CausalLMModule"]
 
@@ -59,8 +60,12 @@ class CausalLMModule(LightningModule):
             the transformers default.
         cache_factory: Called as ``cache_factory(config=model.config)`` to make a fresh
             ``transformers.Cache`` for each ``generate`` call; ``None`` lets ``generate`` choose.
-        optimizer: Builds the optimizer from parameter groups (weight decay is disabled for
-            parameters with fewer than two dimensions: norms and biases).
+        optimizer: Builds the optimizer from parameter groups.
+        param_groups: ``"weight_decay"``: two groups, with weight decay disabled for parameters
+            with fewer than two dimensions (norms and biases). ``"geometry"``: one group per
+            layer role with its norm, from
+            :func:`~ada_modules.optim.param_groups.geometry_param_groups` (for
+            :class:`~ada_modules.optim.AcceleGradSharp` and :class:`~ada_modules.optim.Scion`).
         lr_scheduler: Builds a per-step learning-rate scheduler from the optimizer, if given.
         max_new_tokens: Generation budget per completion.
 
@@ -104,9 +109,14 @@ class CausalLMModule(LightningModule):
         cache_factory: Callable[[PreTrainedConfig], Cache] | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
+        param_groups: Literal["weight_decay", "geometry"] = "weight_decay",
         max_new_tokens: int = 32,
     ) -> None:
         super().__init__()
+        if param_groups not in ("weight_decay", "geometry"):
+            raise ValueError(
+                f"param_groups must be 'weight_decay' or 'geometry', got {param_groups!r}"
+            )
         if architecture not in _ARCHITECTURES:
             raise ValueError(
                 f"architecture must be one of {sorted(_ARCHITECTURES)}, got {architecture!r}"
@@ -159,6 +169,7 @@ class CausalLMModule(LightningModule):
         self.cache_factory = cache_factory
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        self.param_groups = param_groups
         self.max_new_tokens = max_new_tokens
         self.eval_metrics = nn.ModuleDict(
             {f"{stage}_{name}": MeanMetric() for stage in ("val", "test") for name in _EVAL_METRICS}
@@ -273,11 +284,15 @@ class CausalLMModule(LightningModule):
         return [self.tokenizer.decode(ids) for ids in completions]
 
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
-        for param in self.parameters():
-            if param.requires_grad:
-                (decay if param.ndim >= 2 else no_decay).append(param)
-        optimizer = self.optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        if self.param_groups == "geometry":
+            groups = geometry_param_groups(self.model)
+        else:
+            decay, no_decay = [], []
+            for param in self.parameters():
+                if param.requires_grad:
+                    (decay if param.ndim >= 2 else no_decay).append(param)
+            groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = self.optimizer(groups)
         if self.lr_scheduler is None:
             return optimizer
         scheduler = self.lr_scheduler(optimizer)

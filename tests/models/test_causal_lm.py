@@ -222,3 +222,20 @@ def test_load_from_checkpoint_round_trip(seed, datamodule, tmp_path):
 def test_bad_arguments_raise_naming_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         CausalLMModule(**{**TINY, **kwargs})
+
+
+def test_geometry_param_groups_give_each_layer_role_its_norm():
+    from ada_modules.optim import Scion
+
+    module = CausalLMModule(**TINY, optimizer=partial(Scion, lr=0.01), param_groups="geometry")
+    optimizer = module.configure_optimizers()
+    roles = {group["role"]: group for group in optimizer.param_groups}
+    assert {"embedding", "hidden", "vector", "head"} <= set(roles)
+    assert roles["head"]["norm"] == "sign"
+    covered = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert covered == {id(p) for p in module.parameters()}
+
+
+def test_unknown_param_groups_mode_is_named():
+    with pytest.raises(ValueError, match="param_groups"):
+        CausalLMModule(**TINY, param_groups="layers")
