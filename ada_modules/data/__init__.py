@@ -5,6 +5,7 @@ Every sequence task shares :class:`CharTokenizer`, so one model fits all of them
 """
 
 from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpad
+from ada_modules.data.digits import DigitsDataModule
 from ada_modules.data.recall import RecallDataModule
 from ada_modules.data.sequence_task import SequenceCollator, SequenceExample, SequenceTaskDataModule
 from ada_modules.data.tokenizer import CharTokenizer
@@ -12,6 +13,7 @@ from ada_modules.data.tokenizer import CharTokenizer
 __all__ = [
     "ArithmeticDataModule",
     "CharTokenizer",
+    "DigitsDataModule",
     "RecallDataModule",
     "SequenceCollator",
     "SequenceExample",

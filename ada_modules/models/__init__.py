@@ -5,5 +5,6 @@ implementation, an optimizer), so a baseline and a technique differ by one YAML 
 """
 
 from ada_modules.models.causal_lm import CausalLMModule
+from ada_modules.models.classifier import ImageClassifierModule
 
-__all__ = ["CausalLMModule"]
+__all__ = ["CausalLMModule", "ImageClassifierModule"]
