@@ -1,6 +1,6 @@
 """A small MLP or CNN image classifier, the task on which optimizers are compared."""
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any, Literal
 
@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from ada_modules.optim.chain import OptimizerChain
 from ada_modules.optim.param_groups import ROLES, geometry_param_groups
 
 __all__ = ["ImageClassifierModule"]
@@ -264,7 +265,7 @@ class ImageClassifierModule(LightningModule):
                     "aux_optimizer needs both 2-D hidden weight matrices (for optimizer) and other "
                     "parameters (for aux_optimizer); set hidden_sizes or drop aux_optimizer"
                 )
-            optimizer = _OptimizerChain([self.optimizer(main), self.aux_optimizer(aux)])
+            optimizer = OptimizerChain([self.optimizer(main), self.aux_optimizer(aux)])
         config: dict[str, Any] = {"optimizer": optimizer}
         if self.lr_scheduler is not None:
             config["lr_scheduler"] = {
@@ -299,71 +300,3 @@ def _split_groups(
                 part["param_names"] = [names[i] for i in picked]
             target.append(part)
     return inside, outside
-
-
-class _OptimizerChain(Optimizer):
-    """Several optimizers over disjoint parameters, stepped together as one ``Optimizer``.
-
-    ``param_groups`` is the list of the children's groups (the same dicts, so a learning-rate
-    scheduler of the chain sets the children's rates) and ``state`` a read view of their states
-    (for moving them between devices).
-    """
-
-    def __init__(self, optimizers: list[Optimizer]) -> None:
-        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-        super().__init__(params, {})
-        self.optimizers = optimizers
-        self.param_groups = [group for opt in optimizers for group in opt.param_groups]
-        self.state = _StateView(optimizers)  # type: ignore[assignment]
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for opt in self.optimizers:
-            opt.step()
-        return loss
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        states = state_dict["optimizers"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(
-                f"state_dict holds {len(states)} optimizers, the chain has {len(self.optimizers)}"
-            )
-        for opt, state in zip(self.optimizers, states, strict=True):
-            opt.load_state_dict(state)
-        # Children replace their group dicts on load; share the new ones again.
-        self.param_groups = [group for opt in self.optimizers for group in opt.param_groups]
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "optimizers"):
-            raise TypeError("add parameter groups to one of the chained optimizers instead")
-        super().add_param_group(param_group)
-
-
-class _StateView(Mapping):
-    """Read view of the per-parameter states of optimizers over disjoint parameters.
-
-    Unlike a ``ChainMap`` of their ``defaultdict`` states, a lookup never creates an entry.
-    """
-
-    def __init__(self, optimizers: list[Optimizer]) -> None:
-        self._optimizers = optimizers
-
-    def __getitem__(self, key: Any) -> Any:
-        for opt in self._optimizers:
-            if key in opt.state:
-                return opt.state[key]
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[Any]:
-        for opt in self._optimizers:
-            yield from opt.state
-
-    def __len__(self) -> int:
-        return sum(len(opt.state) for opt in self._optimizers)

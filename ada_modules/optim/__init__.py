@@ -6,12 +6,14 @@ learning-rate schedules usable from YAML by class path.
 - :mod:`ada_modules.optim.lmo` (norms with their dual norms, LMOs and sharp operators) and
   :func:`newton_schulz`,
 - :func:`geometry_param_groups` (which layer gets which norm),
+- :class:`OptimizerChain` (e.g. Muon on hidden matrices and AdamW on the rest, as one optimizer),
 - :class:`WarmupCosineLR`.
 """
 
 from ada_modules.optim import lmo
 from ada_modules.optim.accelegrad import AcceleGrad
 from ada_modules.optim.accelegrad_sharp import AcceleGradSharp
+from ada_modules.optim.chain import OptimizerChain
 from ada_modules.optim.lr_schedulers import WarmupCosineLR
 from ada_modules.optim.newton_schulz import newton_schulz
 from ada_modules.optim.param_groups import geometry_param_groups
@@ -20,6 +22,7 @@ from ada_modules.optim.scion import Scion
 __all__ = [
     "AcceleGrad",
     "AcceleGradSharp",
+    "OptimizerChain",
     "Scion",
     "WarmupCosineLR",
     "geometry_param_groups",

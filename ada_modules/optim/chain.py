@@ -1,0 +1,95 @@
+"""Stepping several optimizers over disjoint parameters as one ``torch.optim.Optimizer``."""
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["OptimizerChain"]
+
+
+class OptimizerChain(Optimizer):
+    """Several optimizers over disjoint parameters, stepped together as one ``Optimizer``.
+
+    The usual "Muon for hidden matrices, AdamW for the rest" recipe as a single optimizer, so that
+    Lightning's automatic optimization, ``max_steps``, gradient clipping and one learning-rate
+    scheduler cover both. ``param_groups`` is the list of the children's groups (the same dicts,
+    so a scheduler of the chain sets the children's rates) and ``state`` a read view of their
+    states (for moving them between devices).
+
+    Args:
+        optimizers: Optimizers whose parameters do not overlap.
+
+    Examples:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> matrices = [p for p in net.parameters() if p.ndim == 2]
+        >>> vectors = [p for p in net.parameters() if p.ndim < 2]
+        >>> chain = OptimizerChain(
+        ...     [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(vectors, lr=1e-3)]
+        ... )
+        >>> net(torch.randn(3, 4)).sum().backward()
+        >>> _ = chain.step()
+        >>> len(chain.param_groups)
+        2
+    """
+
+    def __init__(self, optimizers: list[Optimizer]) -> None:
+        params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+        super().__init__(params, {})
+        self.optimizers = optimizers
+        self.param_groups = [group for opt in optimizers for group in opt.param_groups]
+        self.state = _StateView(optimizers)  # type: ignore[assignment]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        states = state_dict["optimizers"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"state_dict holds {len(states)} optimizers, the chain has {len(self.optimizers)}"
+            )
+        for opt, state in zip(self.optimizers, states, strict=True):
+            opt.load_state_dict(state)
+        # Children replace their group dicts on load; share the new ones again.
+        self.param_groups = [group for opt in self.optimizers for group in opt.param_groups]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "optimizers"):
+            raise TypeError("add parameter groups to one of the chained optimizers instead")
+        super().add_param_group(param_group)
+
+
+class _StateView(Mapping):
+    """Read view of the per-parameter states of optimizers over disjoint parameters.
+
+    Unlike a ``ChainMap`` of their ``defaultdict`` states, a lookup never creates an entry.
+    """
+
+    def __init__(self, optimizers: list[Optimizer]) -> None:
+        self._optimizers = optimizers
+
+    def __getitem__(self, key: Any) -> Any:
+        for opt in self._optimizers:
+            if key in opt.state:
+                return opt.state[key]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[Any]:
+        for opt in self._optimizers:
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._optimizers)
