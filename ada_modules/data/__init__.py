@@ -8,6 +8,7 @@ from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpa
 from ada_modules.data.digits import DigitsDataModule
 from ada_modules.data.recall import RecallDataModule
 from ada_modules.data.sequence_task import SequenceCollator, SequenceExample, SequenceTaskDataModule
+from ada_modules.data.split_datamodule import SplitDataModule
 from ada_modules.data.tokenizer import CharTokenizer
 
 __all__ = [
@@ -18,5 +19,6 @@ __all__ = [
     "SequenceCollator",
     "SequenceExample",
     "SequenceTaskDataModule",
+    "SplitDataModule",
     "addition_scratchpad",
 ]

@@ -1,12 +1,11 @@
 """scikit-learn's 8x8 handwritten digits as a LightningDataModule (no download: the data ships with
 scikit-learn)."""
 
-import os
-
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+
+from ada_modules.data.split_datamodule import SplitDataModule
 
 __all__ = ["DigitsDataModule"]
 
@@ -14,7 +13,7 @@ _SPLITS = ("train", "val", "test")
 _MAX_PIXEL = 16.0  # load_digits pixels are integers in [0, 16]
 
 
-class DigitsDataModule(LightningDataModule):
+class DigitsDataModule(SplitDataModule):
     """The 1,797 8x8 grey-level digit images of ``sklearn.datasets.load_digits``, 10 classes.
 
     The images are split once, stratified by class, into disjoint train/val/test sets drawn from
@@ -67,7 +66,12 @@ class DigitsDataModule(LightningDataModule):
         eval_batch_size: int | None = None,
         num_workers: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            seed=seed,
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            num_workers=num_workers,
+        )
         for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
                 raise ValueError(f"{name} must be a number in (0, 1), got {value!r}")
@@ -78,32 +82,9 @@ class DigitsDataModule(LightningDataModule):
             )
         if not isinstance(flatten, bool):
             raise ValueError(f"flatten must be a bool, got {flatten!r}")
-        for name, value, low in (
-            ("batch_size", batch_size, 1),
-            ("num_workers", num_workers, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if eval_batch_size is not None and (
-            isinstance(eval_batch_size, bool)
-            or not isinstance(eval_batch_size, int)
-            or eval_batch_size < 1
-        ):
-            raise ValueError(
-                f"eval_batch_size must be None or an integer >= 1, got {eval_batch_size!r}"
-            )
-        if seed is None:
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
-        self.seed = seed
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.flatten = flatten
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.num_workers = num_workers
-        self.datasets: dict[str, TensorDataset] = {}
         self.indices: dict[str, torch.Tensor] = {}
 
     def setup(self, stage: str | None = None) -> None:
@@ -135,27 +116,3 @@ class DigitsDataModule(LightningDataModule):
         for split, idx in zip(_SPLITS, (train_idx, val_idx, test_idx), strict=True):
             self.indices[split] = torch.from_numpy(np.sort(idx))
             self.datasets[split] = TensorDataset(x[self.indices[split]], y[self.indices[split]])
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        if split not in self.datasets:
-            raise RuntimeError(f"the {split} split is not loaded; call setup() first")
-        return DataLoader(
-            self.datasets[split],
-            batch_size=self.batch_size if split == "train" else self.eval_batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)

@@ -1,7 +1,6 @@
 """Base LightningDataModule for synthetic prompt -> completion tasks and their batch collator."""
 
 import hashlib
-import os
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -10,9 +9,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader
 
+from ada_modules.data.split_datamodule import SplitDataModule
 from ada_modules.data.tokenizer import CharTokenizer
 
 __all__ = ["SequenceCollator", "SequenceExample", "SequenceTaskDataModule"]
@@ -96,7 +94,7 @@ class SequenceCollator:
         return batch
 
 
-class SequenceTaskDataModule(LightningDataModule, ABC):
+class SequenceTaskDataModule(SplitDataModule, ABC):
     """Synthetic prompt -> completion task generated from a seed, tokenized by ``CharTokenizer``.
 
     Subclasses implement :meth:`make_example`, which draws one :class:`SequenceExample` from a
@@ -130,36 +128,20 @@ class SequenceTaskDataModule(LightningDataModule, ABC):
         eval_batch_size: int | None = None,
         num_workers: int = 0,
     ) -> None:
-        super().__init__()
-        for name, value, low in (
-            ("num_train", num_train, 1),
-            ("num_val", num_val, 1),
-            ("num_test", num_test, 1),
-            ("batch_size", batch_size, 1),
-            ("num_workers", num_workers, 0),
-        ):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if eval_batch_size is not None and (
-            not isinstance(eval_batch_size, int) or eval_batch_size < 1
-        ):
-            raise ValueError(
-                f"eval_batch_size must be None or an integer >= 1, got {eval_batch_size!r}"
-            )
-        if seed is None:
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        if not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
-        self.seed = seed
+        super().__init__(
+            seed=seed,
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            num_workers=num_workers,
+        )
+        for name, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.num_train = num_train
         self.num_val = num_val
         self.num_test = num_test
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.num_workers = num_workers
         self.tokenizer = CharTokenizer()
-        self.collator = SequenceCollator(self.tokenizer.pad_id)
-        self.datasets: dict[str, list[dict[str, Any]]] = {}
+        self.collate_fn = SequenceCollator(self.tokenizer.pad_id)
         self._seen: set[bytes] = set()
 
     @abstractmethod
@@ -218,28 +200,3 @@ class SequenceTaskDataModule(LightningDataModule, ABC):
             "answer": example.answer,
             "metadata": dict(example.metadata),
         }
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        if split not in self.datasets:
-            raise RuntimeError(f"the {split} split is not generated; call setup() first")
-        return DataLoader(
-            self.datasets[split],
-            batch_size=self.batch_size if split == "train" else self.eval_batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            collate_fn=self.collator,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
