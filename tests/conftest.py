@@ -1,6 +1,8 @@
 """Shared pytest set-up: the Triton interpreter on CPU machines, markers and a seed fixture."""
 
 import os
+import pathlib
+from collections.abc import Callable
 
 import torch
 
@@ -9,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from lightning.pytorch import seed_everything  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 
 from ada_modules.kernels import triton_available  # noqa: E402
 
@@ -31,3 +33,21 @@ def seed() -> int:
     """Seed python, numpy and torch (all devices) with a fixed value and return it."""
     seed_everything(1234, workers=True, verbose=False)
     return 1234
+
+
+@pytest.fixture
+def cpu_trainer(tmp_path: pathlib.Path) -> Callable[..., Trainer]:
+    """Build a quiet CPU ``Trainer`` writing under ``tmp_path``; keyword arguments override."""
+
+    def build(**kwargs: object) -> Trainer:
+        defaults = {
+            "accelerator": "cpu",
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "default_root_dir": tmp_path,
+        }
+        return Trainer(**{**defaults, **kwargs})
+
+    return build

@@ -4,7 +4,6 @@ import pytest
 import torch
 import yaml
 from jsonargparse import ArgumentParser
-from lightning.pytorch import Trainer
 from transformers import DynamicCache, LlamaForCausalLM, Qwen2ForCausalLM
 
 from ada_modules.data import CharTokenizer, RecallDataModule
@@ -19,18 +18,6 @@ TINY = {
     "intermediate_size": 64,
     "max_new_tokens": 4,
 }
-
-
-def _trainer(tmp_path, **kwargs) -> Trainer:
-    defaults = {
-        "accelerator": "cpu",
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": tmp_path,
-    }
-    return Trainer(**{**defaults, **kwargs})
 
 
 @pytest.fixture
@@ -95,9 +82,9 @@ def test_weight_decay_groups_and_scheduler():
     assert decay["lr"] == pytest.approx(1e-3 / 4)
 
 
-def test_validation_logs_generation_metrics(seed, datamodule, tmp_path):
+def test_validation_logs_generation_metrics(seed, datamodule, tmp_path, cpu_trainer):
     module = CausalLMModule(**TINY)
-    metrics = _trainer(tmp_path, limit_val_batches=2).validate(module, datamodule, verbose=False)[0]
+    metrics = cpu_trainer(limit_val_batches=2).validate(module, datamodule, verbose=False)[0]
     expected = {"loss", "exact_match", "gen_length", "tokens_per_s", "exact_match_hop1"}
     assert {f"val/{name}" for name in expected} <= set(metrics)
     assert 0.0 <= metrics["val/exact_match"] <= 1.0
@@ -105,7 +92,9 @@ def test_validation_logs_generation_metrics(seed, datamodule, tmp_path):
     assert metrics["val/tokens_per_s"] > 0
 
 
-def test_exact_match_compares_generations_with_targets(datamodule, tmp_path, monkeypatch):
+def test_exact_match_compares_generations_with_targets(
+    datamodule, tmp_path, monkeypatch, cpu_trainer
+):
     module = CausalLMModule(**TINY)
     tokenizer = module.tokenizer
     batches = list(datamodule.test_dataloader())
@@ -123,7 +112,7 @@ def test_exact_match_compares_generations_with_targets(datamodule, tmp_path, mon
         return completions, 0.5
 
     monkeypatch.setattr(module, "generate", fake_generate)
-    metrics = _trainer(tmp_path).test(module, datamodule, verbose=False)[0]
+    metrics = cpu_trainer().test(module, datamodule, verbose=False)[0]
     hops = torch.cat([b["hops"] for b in batches])
     assert metrics["test/exact_match_hop1"] == 1.0
     assert metrics["test/exact_match_hop2"] == 0.0
@@ -192,9 +181,9 @@ def test_yaml_class_paths_parse_and_instantiate(tmp_path):
     assert optimizers["optimizer"].param_groups[0]["lr"] == pytest.approx(0.25)
 
 
-def test_load_from_checkpoint_round_trip(seed, datamodule, tmp_path):
+def test_load_from_checkpoint_round_trip(seed, datamodule, tmp_path, cpu_trainer):
     module = CausalLMModule(architecture="qwen2", **TINY, attn_implementation="eager")
-    trainer = _trainer(tmp_path, max_steps=2, limit_val_batches=1)
+    trainer = cpu_trainer(max_steps=2, limit_val_batches=1)
     trainer.fit(module, datamodule)
     path = tmp_path / "tiny.ckpt"
     trainer.save_checkpoint(path)

@@ -2,25 +2,12 @@ from functools import partial
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
 
 from ada_modules.data.digits import DigitsDataModule
 from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.optim.accelegrad import AcceleGrad
 from ada_modules.optim.accelegrad_sharp import AcceleGradSharp
 from ada_modules.optim.scion import Scion
-
-
-def _trainer(tmp_path, **kwargs) -> Trainer:
-    defaults = {
-        "accelerator": "cpu",
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": tmp_path,
-    }
-    return Trainer(**{**defaults, **kwargs})
 
 
 def _fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,9 +48,9 @@ def test_cnn_layers_and_input_shapes(seed):
     assert torch.equal(module(images), module(images.reshape(3, 64)))
 
 
-def test_fit_and_test_log_the_metrics(tmp_path, seed):
+def test_fit_and_test_log_the_metrics(tmp_path, seed, cpu_trainer):
     module = ImageClassifierModule(hidden_sizes=[16])
-    trainer = _trainer(tmp_path, max_steps=3, val_check_interval=3, check_val_every_n_epoch=None)
+    trainer = cpu_trainer(max_steps=3, val_check_interval=3, check_val_every_n_epoch=None)
     datamodule = DigitsDataModule(seed=0, batch_size=32)
     trainer.fit(module, datamodule)
     assert {"train/loss", "val/loss", "val/accuracy"} <= set(trainer.callback_metrics)
@@ -122,13 +109,13 @@ def test_aux_optimizer_gets_everything_but_hidden_matrices_and_both_step(seed):
     assert chain.param_groups[0] is muon.param_groups[0] and len(chain.state) == 6
 
 
-def test_aux_optimizer_fits_with_lightning_and_counts_batches(tmp_path, seed):
+def test_aux_optimizer_fits_with_lightning_and_counts_batches(tmp_path, seed, cpu_trainer):
     module = ImageClassifierModule(
         hidden_sizes=[16],
         optimizer=partial(torch.optim.Muon, lr=0.02),
         aux_optimizer=partial(torch.optim.AdamW, lr=1e-3),
     )
-    trainer = _trainer(tmp_path, max_steps=4, limit_val_batches=0)
+    trainer = cpu_trainer(max_steps=4, limit_val_batches=0)
     trainer.fit(module, DigitsDataModule(seed=0, batch_size=32))
     assert trainer.global_step == 4
 
@@ -145,10 +132,10 @@ def test_aux_optimizer_needs_hidden_matrices():
     "optimizer", [partial(AcceleGrad, lr=1.0), partial(AcceleGradSharp, lr=0.1)], ids=["ag", "ags"]
 )
 def test_evaluation_uses_the_output_iterate_and_restores_training_weights(
-    optimizer, tmp_path, seed
+    optimizer, tmp_path, seed, cpu_trainer
 ):
     module = ImageClassifierModule(hidden_sizes=[16], optimizer=optimizer)
-    trainer = _trainer(tmp_path, max_steps=5, limit_val_batches=1)
+    trainer = cpu_trainer(max_steps=5, limit_val_batches=1)
     datamodule = DigitsDataModule(seed=0, batch_size=32)
     trainer.fit(module, datamodule)
     coupling = [p.detach().clone() for p in module.parameters()]
@@ -170,7 +157,7 @@ def test_evaluation_uses_the_output_iterate_and_restores_training_weights(
     reloaded = ImageClassifierModule.load_from_checkpoint(path, weights_only=False)
     assert all(torch.equal(o, p) for o, p in zip(output, reloaded.parameters(), strict=True))
     resumed = ImageClassifierModule(hidden_sizes=[16], optimizer=optimizer)
-    resume = _trainer(tmp_path, max_steps=5, limit_val_batches=0)
+    resume = cpu_trainer(max_steps=5, limit_val_batches=0)
     resume.fit(resumed, datamodule, ckpt_path=path)  # already at max_steps: restores, no step
     assert all(torch.equal(c, p) for c, p in zip(coupling, resumed.parameters(), strict=True))
 
