@@ -20,7 +20,8 @@ from transformers import (
 )
 
 from ada_modules.data.tokenizer import CharTokenizer
-from ada_modules.optim.param_groups import geometry_param_groups
+from ada_modules.optim.chain import OptimizerChain
+from ada_modules.optim.param_groups import ROLES, geometry_param_groups, split_param_groups
 
 __all__ = ["CausalLMModule"]
 
@@ -66,10 +67,16 @@ class CausalLMModule(LightningModule):
             layer role with its norm, from
             :func:`~ada_modules.optim.param_groups.geometry_param_groups` (for
             :class:`~ada_modules.optim.AcceleGradSharp` and :class:`~ada_modules.optim.Scion`).
+        radii: With ``param_groups="geometry"``, a ``radius`` per layer role (``"embedding"``,
+            ``"hidden"``, ``"vector"``, ``"head"``), e.g. Scion's per-layer radii.
+        aux_optimizer: If given, ``optimizer`` gets only the 2-D hidden matrices (attention and
+            MLP projections) and ``aux_optimizer`` the embeddings, norms and output head; the two
+            are chained into one optimizer (the "Muon for the matrices, AdamW for the rest"
+            recipe; :func:`~ada_modules.optim.param_groups.split_param_groups`).
         lr_scheduler: Builds a per-step learning-rate scheduler from the optimizer, if given.
         max_new_tokens: Generation budget per completion.
 
-    The callables (``cache_factory``, ``optimizer``, ``lr_scheduler``) are not saved as
+    The callables (``cache_factory``, ``optimizer``, ``aux_optimizer``, ``lr_scheduler``) are not saved as
     hyperparameters; ``load_from_checkpoint(path, cache_factory=...)`` sets them on reload.
 
     Raises:
@@ -110,6 +117,8 @@ class CausalLMModule(LightningModule):
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
         param_groups: Literal["weight_decay", "geometry"] = "weight_decay",
+        radii: dict[str, float] | None = None,
+        aux_optimizer: OptimizerCallable | None = None,
         max_new_tokens: int = 32,
     ) -> None:
         super().__init__()
@@ -117,6 +126,13 @@ class CausalLMModule(LightningModule):
             raise ValueError(
                 f"param_groups must be 'weight_decay' or 'geometry', got {param_groups!r}"
             )
+        if radii is not None and param_groups != "geometry":
+            raise ValueError("radii needs param_groups='geometry'")
+        for role, radius in (radii or {}).items():
+            if role not in ROLES:
+                raise ValueError(f"unknown role {role!r} in radii; allowed: {', '.join(ROLES)}")
+            if isinstance(radius, bool) or not isinstance(radius, int | float) or radius <= 0:
+                raise ValueError(f"radii[{role!r}] must be a positive number, got {radius!r}")
         if architecture not in _ARCHITECTURES:
             raise ValueError(
                 f"architecture must be one of {sorted(_ARCHITECTURES)}, got {architecture!r}"
@@ -142,7 +158,9 @@ class CausalLMModule(LightningModule):
             )
         # Callables are not stored: checkpoints stay loadable with ``weights_only=True``; pass them
         # again to ``load_from_checkpoint`` when needed.
-        self.save_hyperparameters(ignore=["cache_factory", "optimizer", "lr_scheduler"])
+        self.save_hyperparameters(
+            ignore=["cache_factory", "optimizer", "aux_optimizer", "lr_scheduler"]
+        )
         self.tokenizer = CharTokenizer()
         config_class, model_class = _ARCHITECTURES[architecture]
         config_kwargs: dict[str, Any] = {
@@ -170,6 +188,8 @@ class CausalLMModule(LightningModule):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.param_groups = param_groups
+        self.radii = radii
+        self.aux_optimizer = aux_optimizer
         self.max_new_tokens = max_new_tokens
         self.eval_metrics = nn.ModuleDict(
             {f"{stage}_{name}": MeanMetric() for stage in ("val", "test") for name in _EVAL_METRICS}
@@ -284,15 +304,21 @@ class CausalLMModule(LightningModule):
         return [self.tokenizer.decode(ids) for ids in completions]
 
     def configure_optimizers(self) -> Any:
+        roles = geometry_param_groups(self.model, radii=self.radii)
         if self.param_groups == "geometry":
-            groups = geometry_param_groups(self.model)
+            groups = roles
         else:
             decay, no_decay = [], []
             for param in self.parameters():
                 if param.requires_grad:
                     (decay if param.ndim >= 2 else no_decay).append(param)
             groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = self.optimizer(groups)
+        if self.aux_optimizer is None:
+            optimizer = self.optimizer(groups)
+        else:
+            hidden = [p for g in roles if g["role"] == "hidden" for p in g["params"]]
+            main, aux = split_param_groups(groups, hidden)
+            optimizer = OptimizerChain([self.optimizer(main), self.aux_optimizer(aux)])
         if self.lr_scheduler is None:
             return optimizer
         scheduler = self.lr_scheduler(optimizer)

@@ -13,7 +13,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ada_modules.optim.chain import OptimizerChain
-from ada_modules.optim.param_groups import ROLES, geometry_param_groups
+from ada_modules.optim.param_groups import ROLES, geometry_param_groups, split_param_groups
 
 __all__ = ["ImageClassifierModule"]
 
@@ -258,8 +258,8 @@ class ImageClassifierModule(LightningModule):
         if self.aux_optimizer is None:
             optimizer: Optimizer = self.optimizer(groups)
         else:
-            hidden = {id(p) for p in self.parameters() if p.ndim == 2} - {id(self.head.weight)}
-            main, aux = _split_groups(groups, hidden)
+            hidden = [p for p in self.parameters() if p.ndim == 2 and p is not self.head.weight]
+            main, aux = split_param_groups(groups, hidden)
             if not main or not aux:
                 raise ValueError(
                     "aux_optimizer needs both 2-D hidden weight matrices (for optimizer) and other "
@@ -281,22 +281,3 @@ def _check_sizes(name: str, sizes: list[int], allow_empty: bool) -> None:
     for size in sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be positive integers, got {sizes!r}")
-
-
-def _split_groups(
-    groups: list[dict[str, Any]], ids: set[int]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Split each group into its parameters whose id is in ``ids`` and the others."""
-    inside: list[dict[str, Any]] = []
-    outside: list[dict[str, Any]] = []
-    for group in groups:
-        names = group.get("param_names")
-        for target, keep in ((inside, True), (outside, False)):
-            picked = [i for i, p in enumerate(group["params"]) if (id(p) in ids) == keep]
-            if not picked:
-                continue
-            part = {**group, "params": [group["params"][i] for i in picked]}
-            if names is not None:
-                part["param_names"] = [names[i] for i in picked]
-            target.append(part)
-    return inside, outside

@@ -13,7 +13,14 @@ from torch import nn
 
 from ada_modules.optim.lmo import NORM_NAMES, Norm, get_norm
 
-__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_ROLE_NORMS", "ROLES", "Role", "geometry_param_groups"]
+__all__ = [
+    "DEFAULT_HEAD_NAMES",
+    "DEFAULT_ROLE_NORMS",
+    "ROLES",
+    "Role",
+    "geometry_param_groups",
+    "split_param_groups",
+]
 
 Role = Literal["embedding", "hidden", "conv", "vector", "head"]
 ROLES: tuple[Role, ...] = ("embedding", "hidden", "conv", "vector", "head")
@@ -126,6 +133,47 @@ def geometry_param_groups(
             group["radius"] = radii[role]
         groups.append(group)
     return groups
+
+
+def split_param_groups(
+    groups: list[dict[str, Any]], selected: Iterable[nn.Parameter]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split every group into its ``selected`` parameters and the others, keeping group options.
+
+    The "Muon for the hidden matrices, AdamW for the rest" recipe: build the groups once, split
+    them, give each part its own optimizer and chain them with
+    :class:`~ada_modules.optim.chain.OptimizerChain`. Empty parts are dropped; ``param_names``
+    is split along with ``params``.
+
+    Args:
+        groups: Parameter groups (dicts with ``params`` and optional per-group options).
+        selected: The parameters that go to the first part.
+
+    Returns:
+        ``(inside, outside)``: the groups restricted to the selected parameters, and to the rest.
+
+    Examples:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        >>> groups = geometry_param_groups(model)
+        >>> hidden = [p for g in groups if g["role"] == "hidden" for p in g["params"]]
+        >>> inside, outside = split_param_groups(groups, hidden)
+        >>> [g["role"] for g in inside], [g["role"] for g in outside]
+        (['hidden'], ['vector', 'head'])
+    """
+    ids = {id(p) for p in selected}
+    inside: list[dict[str, Any]] = []
+    outside: list[dict[str, Any]] = []
+    for group in groups:
+        names = group.get("param_names")
+        for target, keep in ((inside, True), (outside, False)):
+            picked = [i for i, p in enumerate(group["params"]) if (id(p) in ids) == keep]
+            if not picked:
+                continue
+            part = {**group, "params": [group["params"][i] for i in picked]}
+            if names is not None:
+                part["param_names"] = [names[i] for i in picked]
+            target.append(part)
+    return inside, outside
 
 
 def _check_role(role: str) -> None:

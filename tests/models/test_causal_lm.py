@@ -228,3 +228,41 @@ def test_geometry_param_groups_give_each_layer_role_its_norm():
 def test_unknown_param_groups_mode_is_named():
     with pytest.raises(ValueError, match="param_groups"):
         CausalLMModule(**TINY, param_groups="layers")
+
+
+def test_aux_optimizer_takes_all_but_the_hidden_matrices(seed, datamodule):
+    module = CausalLMModule(
+        **TINY,
+        optimizer=partial(torch.optim.Muon, lr=0.02),
+        aux_optimizer=partial(torch.optim.AdamW, lr=1e-3),
+    )
+    muon, adamw = module.configure_optimizers().optimizers
+    in_muon = {id(p) for g in muon.param_groups for p in g["params"]}
+    in_adamw = {id(p) for g in adamw.param_groups for p in g["params"]}
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    # One layer: q, k, v, o, gate, up, down projections; embeddings, norms and lm_head to AdamW.
+    assert sorted(names[i].rsplit(".", 2)[-2] for i in in_muon) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    assert in_muon.isdisjoint(in_adamw)
+    assert in_muon | in_adamw == set(names)
+    assert any(names[i] == "lm_head.weight" for i in in_adamw)
+
+
+def test_radii_reach_the_geometry_groups_and_are_validated():
+    from ada_modules.optim import Scion
+
+    module = CausalLMModule(
+        **TINY,
+        optimizer=partial(Scion, lr=0.01),
+        param_groups="geometry",
+        radii={"hidden": 3.0, "head": 10.0},
+    )
+    radius = {g["role"]: g["radius"] for g in module.configure_optimizers().param_groups}
+    assert radius["hidden"] == 3.0 and radius["head"] == 10.0
+    with pytest.raises(ValueError, match="radii needs param_groups"):
+        CausalLMModule(**TINY, radii={"hidden": 3.0})
+    with pytest.raises(ValueError, match="'convolution'"):
+        CausalLMModule(**TINY, param_groups="geometry", radii={"convolution": 1.0})
+    with pytest.raises(ValueError, match=r"radii\['head'\]"):
+        CausalLMModule(**TINY, param_groups="geometry", radii={"head": 0})
