@@ -32,6 +32,12 @@ AdaGrad-norm's at the same ``D``, the largest gap met on the way (relative to th
 with ``D = R`` the first steps of every adaptive method overshoot), and a divergence count (seeds
 whose final gap is not finite or not below the starting gap).
 
+4. **Optimizer cost** relative to AdamW on the networks of the sweeps (the digits MLPs
+   64-128-128-10 and 64-1024-1024-10, and the tiny LM of ``repro_lm.yaml``): time of
+   ``optimizer.step()`` alone (mean over 200 steps after 20 warm-up steps; 50 with ``--quick``,
+   which also skips the wide MLP), and state memory = bytes of the tensors in ``optimizer.state``
+   ÷ bytes of the parameters.
+
 Runs on one thread (``torch.set_num_threads(1)``): the problems are small and on a shared 2-core
 machine a second thread makes them several times slower.
 
@@ -46,6 +52,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -53,6 +60,8 @@ import matplotlib
 import torch
 from torch import Tensor
 
+from ada_modules.models import CausalLMModule
+from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.optim import lmo
 from ada_modules.optim.accelegrad import AcceleGrad
 from ada_modules.optim.accelegrad_sharp import AcceleGradSharp
@@ -63,6 +72,7 @@ from ada_modules.optim.convex_problems import (
     trace_gaps,
 )
 from ada_modules.optim.newton_schulz import newton_schulz
+from ada_modules.optim.scion import Scion
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after selecting the non-interactive backend)
@@ -273,6 +283,69 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+COST_METHODS: dict[str, dict[str, object]] = {
+    "AdamW": {"optimizer": partial(torch.optim.AdamW, lr=1e-3)},
+    "SGD-momentum": {"optimizer": partial(torch.optim.SGD, lr=0.03, momentum=0.9)},
+    "Muon (+AdamW)": {
+        "optimizer": partial(torch.optim.Muon, lr=0.02),
+        "aux_optimizer": partial(torch.optim.AdamW, lr=1e-3),
+    },
+    "Scion (geometry)": {"optimizer": partial(Scion, lr=0.01), "param_groups": "geometry"},
+    "AcceleGrad": {"optimizer": partial(AcceleGrad, lr=1.0)},
+    "AcceleGrad# (default)": {"optimizer": partial(AcceleGradSharp, lr=0.01)},
+    "AcceleGrad# (geometry)": {
+        "optimizer": partial(AcceleGradSharp, lr=0.01),
+        "param_groups": "geometry",
+    },
+}
+
+
+def mlp_task(hidden_sizes: list[int], kwargs: dict) -> tuple[torch.nn.Module, Callable[[], Tensor]]:
+    """A digits MLP and a closure computing the loss of one fixed batch of 64."""
+    module = ImageClassifierModule(hidden_sizes=hidden_sizes, **kwargs)
+    x, y = torch.rand(64, 64), torch.randint(0, 10, (64,))
+    return module, lambda: torch.nn.functional.cross_entropy(module(x), y)
+
+
+def lm_task(kwargs: dict) -> tuple[torch.nn.Module, Callable[[], Tensor]]:
+    """The tiny LM of ``repro_lm.yaml`` and a closure computing the loss of one batch of 32."""
+    if kwargs.get("param_groups") != "geometry":
+        kwargs = {**kwargs, "param_groups": "weight_decay"}
+    module = CausalLMModule(
+        hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256, **kwargs
+    )
+    ids = torch.randint(4, module.tokenizer.vocab_size, (32, 40))
+    return module, lambda: module.model(input_ids=ids, labels=ids).loss
+
+
+def optimizer_cost(
+    task: Callable[[dict], tuple[torch.nn.Module, Callable[[], Tensor]]],
+    kwargs: dict,
+    steps: int,
+    warmup: int = 20,
+) -> tuple[float, float]:
+    """Mean milliseconds of ``optimizer.step()`` and optimizer-state bytes ÷ parameter bytes."""
+    torch.manual_seed(0)
+    module, loss_fn = task(kwargs)
+    config = module.configure_optimizers()
+    optimizer = config["optimizer"] if isinstance(config, dict) else config
+    elapsed = 0.0
+    for i in range(steps + warmup):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        start = time.perf_counter()
+        optimizer.step()
+        elapsed += (time.perf_counter() - start) if i >= warmup else 0.0
+    state_bytes = sum(
+        v.numel() * v.element_size()
+        for state in optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v)
+    )
+    param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    return elapsed / steps * 1e3, state_bytes / param_bytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="K = 1000, matrix grid of 3 values")
@@ -475,6 +548,29 @@ def main() -> None:
             rows,
         )
     )
+
+    # 4. Optimizer cost relative to AdamW.
+    cost_steps = 50 if args.quick else 200
+    tasks = {"MLP 64-128-128-10 (digits sweep)": partial(mlp_task, [128, 128])}
+    if not args.quick:
+        tasks["MLP 64-1024-1024-10"] = partial(mlp_task, [1024, 1024])
+    tasks["tiny LM 2x64 Llama (repro_lm.yaml), batch 32x40"] = lm_task
+    costs: dict[str, dict[str, list[float]]] = {}
+    for task_name, task in tasks.items():
+        rows_cost = {m: optimizer_cost(task, kw, cost_steps) for m, kw in COST_METHODS.items()}
+        costs[task_name] = {m: list(v) for m, v in rows_cost.items()}
+        base_ms, base_state = rows_cost["AdamW"]
+        print(f"\n## Optimizer cost, {task_name}, mean of {cost_steps} steps, one thread\n")
+        print(
+            table(
+                ["method", "step (ms)", "step ÷ AdamW", "state ÷ params", "state ÷ AdamW"],
+                [
+                    [m, f"{ms:.3f}", f"{ms / base_ms:.2f}", f"{st:.2f}", f"{st / base_state:.2f}"]
+                    for m, (ms, st) in rows_cost.items()
+                ],
+            )
+        )
+    results["optimizer_cost"] = costs
 
     elapsed = time.perf_counter() - start
     results["wall_seconds"] = elapsed

@@ -155,6 +155,40 @@ class Scion(Optimizer):
             raise
 
     @torch.no_grad()
+    def init(self, generator: torch.Generator | None = None) -> None:
+        """Re-initialise every parameter with two or more dimensions on its norm ball's sphere.
+
+        Each such parameter becomes ``ρ · v / ‖v‖`` with ``v = lmo(G)`` for a Gaussian ``G``: a
+        random point of norm exactly ``ρ`` in its layer's norm (a scaled, near semi-orthogonal
+        matrix for ``"spectral"``; random signs for ``"sign"``; equal-norm columns for
+        ``"colnorm"``),
+        the initialisation Scion's authors pair with the constrained update, which otherwise
+        spends its first steps shrinking weights that start outside the ball. Vectors (biases,
+        norm gains) keep their module's initialisation. Call it once, before training.
+
+        Args:
+            generator: Random generator for reproducible draws (``None``: the global one).
+
+        Examples:
+            >>> import torch
+            >>> layer = torch.nn.Linear(8, 4)
+            >>> opt = Scion(layer.parameters(), lr=0.1, radius=2.0)
+            >>> opt.init(torch.Generator().manual_seed(0))
+            >>> from ada_modules.optim.lmo import get_norm
+            >>> round(float(get_norm("spectral").norm(layer.weight.detach())), 4)
+            2.0
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.ndim < 2:
+                    continue
+                norm = self._norm_for(group, p)
+                device = generator.device if generator is not None else p.device
+                gaussian = torch.randn(p.shape, generator=generator, device=device)
+                direction = norm.lmo(gaussian.to(p.device, p.dtype))
+                p.copy_(direction.mul_(group["radius"] / norm.norm(direction)))
+
+    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Update every parameter that has a gradient.
 

@@ -219,3 +219,21 @@ def test_complex_and_sparse_are_rejected() -> None:
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match=r"sparse gradients.*\(10, 4\)"):
         opt.step()
+
+
+@pytest.mark.parametrize("norm", ["spectral", "sign", "colnorm", "rownorm"])
+def test_init_puts_matrices_on_the_sphere_and_keeps_vectors(norm):
+    layer = torch.nn.Linear(12, 6)
+    bias = layer.bias.detach().clone()
+    # The weight's norm by name ("spectral" also by shape); the bias's automatic ("rms").
+    weight_norm = None if norm == "spectral" else norm
+    groups = [{"params": [layer.weight], "norm": weight_norm}, {"params": [layer.bias]}]
+    opt = Scion(groups, lr=0.1, radius=3.0)
+    opt.init(torch.Generator().manual_seed(0))
+    assert float(get_norm(norm).norm(layer.weight.detach())) == pytest.approx(3.0, rel=1e-5)
+    assert torch.equal(layer.bias, bias)
+    first = layer.weight.detach().clone()
+    opt.init(torch.Generator().manual_seed(0))
+    assert torch.equal(layer.weight, first)
+    opt.init(torch.Generator().manual_seed(1))
+    assert not torch.equal(layer.weight, first)
