@@ -25,10 +25,11 @@ from ada_modules.optim.param_groups import ROLES, geometry_param_groups, split_p
 
 __all__ = ["CausalLMModule"]
 
-_ARCHITECTURES: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
+ARCHITECTURES: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
 }
+"""Model families built from a config: name -> (config class, model class)."""
 _EVAL_METRICS = ("loss", "exact_match", "gen_length", "tokens_per_s")
 
 
@@ -75,8 +76,12 @@ class CausalLMModule(LightningModule):
             recipe; :func:`~ada_modules.optim.param_groups.split_param_groups`).
         lr_scheduler: Builds a per-step learning-rate scheduler from the optimizer, if given.
         max_new_tokens: Generation budget per completion.
+        model_wrapper: Called once as ``model_wrapper(model)`` on the built Hugging Face model to
+            change it in place, e.g. :class:`~ada_modules.nn.ConnectivityWrapper` to learn the
+            residual connectivity of the decoder layers; ``None`` keeps the model as built.
 
-    The callables (``cache_factory``, ``optimizer``, ``aux_optimizer``, ``lr_scheduler``) are not saved as
+    The callables (``cache_factory``, ``optimizer``, ``aux_optimizer``, ``lr_scheduler``,
+    ``model_wrapper``) are not saved as
     hyperparameters; ``load_from_checkpoint(path, cache_factory=...)`` sets them on reload.
 
     Raises:
@@ -120,6 +125,7 @@ class CausalLMModule(LightningModule):
         radii: dict[str, float] | None = None,
         aux_optimizer: OptimizerCallable | None = None,
         max_new_tokens: int = 32,
+        model_wrapper: Callable[[PreTrainedModel], Any] | None = None,
     ) -> None:
         super().__init__()
         if param_groups not in ("weight_decay", "geometry"):
@@ -133,9 +139,9 @@ class CausalLMModule(LightningModule):
                 raise ValueError(f"unknown role {role!r} in radii; allowed: {', '.join(ROLES)}")
             if isinstance(radius, bool) or not isinstance(radius, int | float) or radius <= 0:
                 raise ValueError(f"radii[{role!r}] must be a positive number, got {radius!r}")
-        if architecture not in _ARCHITECTURES:
+        if architecture not in ARCHITECTURES:
             raise ValueError(
-                f"architecture must be one of {sorted(_ARCHITECTURES)}, got {architecture!r}"
+                f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}"
             )
         for name, value in (
             ("hidden_size", hidden_size),
@@ -159,10 +165,16 @@ class CausalLMModule(LightningModule):
         # Callables are not stored: checkpoints stay loadable with ``weights_only=True``; pass them
         # again to ``load_from_checkpoint`` when needed.
         self.save_hyperparameters(
-            ignore=["cache_factory", "optimizer", "aux_optimizer", "lr_scheduler"]
+            ignore=[
+                "cache_factory",
+                "optimizer",
+                "aux_optimizer",
+                "lr_scheduler",
+                "model_wrapper",
+            ]
         )
         self.tokenizer = CharTokenizer()
-        config_class, model_class = _ARCHITECTURES[architecture]
+        config_class, model_class = ARCHITECTURES[architecture]
         config_kwargs: dict[str, Any] = {
             "vocab_size": self.tokenizer.vocab_size,
             "hidden_size": hidden_size,
@@ -179,6 +191,8 @@ class CausalLMModule(LightningModule):
         if attn_implementation is not None:
             config_kwargs["attn_implementation"] = attn_implementation
         self.model = model_class(config_class(**config_kwargs))
+        if model_wrapper is not None:
+            model_wrapper(self.model)
         generation_config = self.model.generation_config
         generation_config.do_sample = False
         generation_config.pad_token_id = self.tokenizer.pad_id

@@ -1,6 +1,6 @@
 """A small MLP or CNN image classifier, the task on which optimizers are compared."""
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any, Literal
 
@@ -68,8 +68,11 @@ class ImageClassifierModule(LightningModule):
         radii: With ``param_groups="geometry"``, a ``radius`` per layer role (``"hidden"``,
             ``"conv"``, ``"vector"``, ``"head"``): Scion's norm-ball radius ``rho``, AcceleGrad#'s
             clip in its ``"lmo"`` geometry. ``None`` keeps the optimizer's ``radius``.
+        trunk: If given, called with the width of the last hidden layer to build a
+            shape-preserving module applied between the hidden layers and the head (e.g.
+            :class:`~ada_modules.nn.MLPResNet`, a deep residual trunk); ``None``: no trunk.
 
-    The callables (``optimizer``, ``aux_optimizer``, ``lr_scheduler``) are not saved as
+    The callables (``optimizer``, ``aux_optimizer``, ``lr_scheduler``, ``trunk``) are not saved as
     hyperparameters.
 
     Raises:
@@ -113,6 +116,7 @@ class ImageClassifierModule(LightningModule):
         lr_scheduler: LRSchedulerCallable | None = None,
         param_groups: Literal["all", "geometry"] = "all",
         radii: dict[str, float] | None = None,
+        trunk: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         if architecture not in ("mlp", "cnn"):
@@ -137,7 +141,7 @@ class ImageClassifierModule(LightningModule):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        self.save_hyperparameters(ignore=["optimizer", "aux_optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["optimizer", "aux_optimizer", "lr_scheduler", "trunk"])
         self.optimizer = optimizer
         self.aux_optimizer = aux_optimizer
         self.lr_scheduler = lr_scheduler
@@ -158,6 +162,8 @@ class ImageClassifierModule(LightningModule):
         for size in hidden_sizes:
             layers += [nn.Linear(width, size), nn.ReLU()]
             width = size
+        if trunk is not None:
+            layers.append(trunk(width))
         self.features = nn.Sequential(*layers)
         self.head = nn.Linear(width, num_classes)
         self.eval_metrics = nn.ModuleDict(

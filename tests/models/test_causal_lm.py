@@ -266,3 +266,17 @@ def test_radii_reach_the_geometry_groups_and_are_validated():
         CausalLMModule(**TINY, param_groups="geometry", radii={"convolution": 1.0})
     with pytest.raises(ValueError, match=r"radii\['head'\]"):
         CausalLMModule(**TINY, param_groups="geometry", radii={"head": 0})
+
+
+def test_model_wrapper_changes_the_built_model_in_place(seed):
+    from ada_modules.nn import ConnectivityWrapper, RoutedBlock
+
+    kwargs = {"hidden_size": 32, "num_layers": 3, "num_heads": 2, "num_kv_heads": 1}
+    torch.manual_seed(0)
+    plain = CausalLMModule(**kwargs)
+    torch.manual_seed(0)
+    routed = CausalLMModule(**kwargs, model_wrapper=ConnectivityWrapper(mode="source"))
+    assert all(isinstance(layer, RoutedBlock) for layer in routed.model.model.layers)
+    assert "model_wrapper" not in routed.hparams
+    ids = torch.randint(3, 20, (2, 6))
+    assert torch.equal(routed(ids), plain(ids))  # identity at init

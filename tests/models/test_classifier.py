@@ -179,3 +179,19 @@ def test_evaluation_uses_the_output_iterate_and_restores_training_weights(
 def test_bad_arguments_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ImageClassifierModule(**kwargs)
+
+
+def test_trunk_is_built_with_the_last_hidden_width_and_runs_before_the_head(seed):
+    from functools import partial
+
+    from ada_modules.nn import MLPResNet
+
+    plain = ImageClassifierModule(hidden_sizes=[16])
+    module = ImageClassifierModule(
+        hidden_sizes=[16], trunk=partial(MLPResNet, depth=3, mode="source")
+    )
+    trunk = module.features[-1]
+    assert isinstance(trunk, MLPResNet) and trunk.layers[0].block[1].in_features == 16
+    assert module(torch.rand(5, 64)).shape == (5, 10)
+    assert "trunk" not in module.hparams
+    assert len(module.features) == len(plain.features) + 1
