@@ -49,6 +49,7 @@ _REGISTERED_PACKAGES = (
     "ada_modules.data",
     "ada_modules.models",
     "ada_modules.optim",
+    "ada_modules.posttrain.envs",
     "ada_modules.strategies",
 )
 

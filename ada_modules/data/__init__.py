@@ -6,6 +6,7 @@ Every sequence task shares :class:`CharTokenizer`, so one model fits all of them
 
 from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpad
 from ada_modules.data.digits import DigitsDataModule
+from ada_modules.data.env_tasks import EnvTaskDataModule
 from ada_modules.data.recall import RecallDataModule
 from ada_modules.data.sequence_task import SequenceCollator, SequenceExample, SequenceTaskDataModule
 from ada_modules.data.split_datamodule import SplitDataModule
@@ -15,6 +16,7 @@ __all__ = [
     "ArithmeticDataModule",
     "CharTokenizer",
     "DigitsDataModule",
+    "EnvTaskDataModule",
     "RecallDataModule",
     "SequenceCollator",
     "SequenceExample",

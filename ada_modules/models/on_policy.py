@@ -1,0 +1,787 @@
+"""On-policy RL for a causal LM in text environments: GRPO-style clipped policy gradient."""
+
+import copy
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+from torch import Tensor
+
+from ada_modules.data.tokenizer import CharTokenizer
+from ada_modules.models.causal_lm import ARCHITECTURES
+from ada_modules.posttrain.advantages import ADVANTAGE_ESTIMATORS, RolloutStats, clip_cov_mask
+from ada_modules.posttrain.envs.base import TextEnv, Transcript
+
+__all__ = ["OnPolicyModule", "Rollout"]
+
+_LOSS_TYPES = ("token", "sequence", "dr_grpo")
+
+
+@dataclass
+class Rollout:
+    """A batch of finished episodes as padded token tensors (all on the model's device).
+
+    Attributes:
+        input_ids: ``<bos>``, the first observation, then responses and observations,
+            right-padded, shape ``(episodes, seq)``.
+        attention_mask: 1 on real tokens, same shape.
+        action_mask: 1 on the tokens the agent sampled (its responses), same shape.
+        rewards: Outcome reward per episode, shape ``(episodes,)``.
+        success: 1.0 for solved episodes, shape ``(episodes,)``.
+        responses: Number of responses (turns) per episode, shape ``(episodes,)``.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    action_mask: Tensor
+    rewards: Tensor
+    success: Tensor
+    responses: Tensor
+
+
+class OnPolicyModule(LightningModule):
+    """GRPO-style on-policy RL of a small Hugging Face causal LM in a text environment.
+
+    Manual optimization (Lightning's documented route for RL). Each training step takes a batch
+    of task seeds (see :class:`~ada_modules.data.EnvTaskDataModule`, whose ``env`` this module
+    plays) and:
+
+    1. samples ``group_size`` episodes per task with the current policy at ``temperature``
+       (multi-turn: the agent's response, then the environment's observation, until the episode
+       ends; single-turn tasks are one-turn episodes);
+    2. scores them by the environment's outcome reward and computes advantages with the
+       estimator ``advantage`` from :data:`~ada_modules.posttrain.advantages.ADVANTAGE_ESTIMATORS`
+       (``"grpo"``, ``"dr_grpo"``, ``"aem"`` or a registered one) with ``advantage_kwargs``;
+    3. runs ``ppo_epochs`` passes over ``num_minibatches`` minibatches of the clipped objective
+       ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` (``r`` the token probability ratio to
+       the sampling policy), plus ``kl_coef`` times the k3 estimate of KL to the policy frozen at
+       the start of RL, aggregated per ``loss_type``: ``"token"`` (mean over all response tokens
+       of the minibatch, DAPO / TRL's ``"dapo"``), ``"sequence"`` (mean over each episode's
+       tokens, then over episodes, TRL's ``"grpo"``), ``"dr_grpo"`` (sum over tokens divided by
+       episodes times the longest possible response, TRL's ``"dr_grpo"``). With
+       ``clip_cov_ratio > 0`` a Clip-Cov token selection
+       (:func:`~ada_modules.posttrain.advantages.clip_cov_mask`) drops tokens from the loss.
+
+    Supervised warm start: the first ``sft_steps`` steps instead imitate the environment's
+    scripted demonstrator (``sft_demos_per_task`` demonstrations per task of the batch,
+    cross-entropy on the response tokens, a second optimizer with learning rate ``sft_lr``).
+
+    Budget: RL stops once ``max_sampled_tokens`` response tokens were sampled (``None``: the
+    Trainer's limits decide). Every ``eval_every_tokens`` sampled tokens (and at the start and
+    the end of RL) the policy plays the first ``eval_tasks`` validation tasks ``eval_samples``
+    times each at ``temperature``; the success curve against sampled tokens gives
+    ``val/success``, ``val/success_start`` (before RL), ``val/success_best``, ``val/success_auc``
+    (area under the curve divided by its token span), ``val/tokens_to_threshold`` (first crossing
+    of ``success_threshold``, interpolated; the tokens sampled so far while not reached) and
+    ``val/success_greedy``. The Lightning validation loop (``ada validate``, or
+    ``limit_val_batches > 0``) logs ``val/success``, ``val/success_greedy`` and
+    ``val/response_length`` on its own tasks and the curve summary so far.
+
+    Logged per RL step (``train/``): ``reward``, ``success``, ``token_entropy`` (mean entropy of
+    the next-token distributions at response tokens), ``response_entropy`` (mean surprisal
+    ``-log pi(response)`` of a response, an unbiased estimate of the response-level entropy),
+    ``response_entropy_early`` / ``_late`` (its mean over the first / last third of the token
+    budget), ``kl`` (k3 estimate to the frozen policy), ``clip_fraction``, ``response_length``,
+    ``episode_turns``, ``sampled_tokens``, ``advantage_abs``, ``loss``.
+
+    The policy is a Llama or Qwen2 model built from a config with the
+    :class:`~ada_modules.data.CharTokenizer` vocabulary (as in
+    :class:`~ada_modules.models.CausalLMModule`); any other Hugging Face causal LM with that
+    vocabulary can be put in ``module.model`` before training.
+
+    Args:
+        architecture: ``"llama"`` or ``"qwen2"``.
+        hidden_size: Width of the residual stream.
+        num_layers: Decoder layers.
+        num_heads: Attention heads.
+        num_kv_heads: Key/value heads.
+        intermediate_size: MLP width.
+        max_position_embeddings: Longest sequence the rotary embedding is set up for.
+        config_overrides: Further Hugging Face config keyword arguments.
+        group_size: Episodes sampled per task (``G``), at least 2.
+        temperature: Sampling temperature (the policy is ``softmax(logits / temperature)``).
+        advantage: Name of the advantage estimator.
+        advantage_kwargs: Keyword arguments of the estimator (e.g. ``{"strength": 0.5}``).
+        loss_type: ``"token"``, ``"sequence"`` or ``"dr_grpo"``.
+        clip_low: Lower ratio clip ``epsilon_low``.
+        clip_high: Upper ratio clip ``epsilon_high`` (DAPO's clip-higher uses 0.28).
+        kl_coef: Weight of the KL penalty to the frozen start-of-RL policy (0: no reference).
+        ppo_epochs: Passes over each rollout.
+        num_minibatches: Minibatches per pass (episodes are split evenly).
+        max_grad_norm: Gradient-norm clip per update (``None``: no clipping).
+        clip_cov_ratio: Fraction of response tokens Clip-Cov detaches (0: off).
+        clip_cov_bounds: Covariance window of Clip-Cov.
+        sft_steps: Supervised warm-start steps before RL.
+        sft_demos_per_task: Demonstrations per task in a warm-start step.
+        sft_lr: Learning rate of the warm start (``None``: the optimizer's).
+        max_sampled_tokens: Budget of sampled response tokens for RL.
+        eval_every_tokens: Tokens between evaluations (``None``: only at start and end).
+        eval_tasks: Validation tasks per evaluation.
+        eval_samples: Episodes per evaluation task.
+        success_threshold: Success rate for ``val/tokens_to_threshold``.
+        optimizer: Builds the optimizer(s) from parameter groups.
+
+    Raises:
+        ValueError: If an argument is out of range, naming it.
+
+    Examples:
+        >>> module = OnPolicyModule(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+        ...                         intermediate_size=64, group_size=4, advantage="aem",
+        ...                         advantage_kwargs={"strength": 0.5})
+        >>> module.group_size, module.automatic_optimization
+        (4, False)
+
+        In YAML (with ``data: EnvTaskDataModule`` giving the environment)::
+
+            model:
+              class_path: ada_modules.models.OnPolicyModule
+              init_args:
+                group_size: 8
+                advantage: aem
+                advantage_kwargs: {strength: 0.5, schedule: balance}
+                sft_steps: 150
+                max_sampled_tokens: 200000
+    """
+
+    def __init__(
+        self,
+        architecture: Literal["llama", "qwen2"] = "llama",
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 4,
+        intermediate_size: int = 256,
+        max_position_embeddings: int = 512,
+        config_overrides: dict[str, Any] | None = None,
+        group_size: int = 8,
+        temperature: float = 1.0,
+        advantage: str = "grpo",
+        advantage_kwargs: dict[str, Any] | None = None,
+        loss_type: Literal["token", "sequence", "dr_grpo"] = "token",
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        kl_coef: float = 0.0,
+        ppo_epochs: int = 1,
+        num_minibatches: int = 1,
+        max_grad_norm: float | None = 1.0,
+        clip_cov_ratio: float = 0.0,
+        clip_cov_bounds: tuple[float, float] = (1.0, 5.0),
+        sft_steps: int = 0,
+        sft_demos_per_task: int = 4,
+        sft_lr: float | None = None,
+        max_sampled_tokens: int | None = None,
+        eval_every_tokens: int | None = None,
+        eval_tasks: int = 64,
+        eval_samples: int = 2,
+        success_threshold: float = 0.5,
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+    ) -> None:
+        super().__init__()
+        if architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}"
+            )
+        positive = {
+            "hidden_size": hidden_size,
+            "num_layers": num_layers,
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "intermediate_size": intermediate_size,
+            "max_position_embeddings": max_position_embeddings,
+            "ppo_epochs": ppo_epochs,
+            "num_minibatches": num_minibatches,
+            "sft_demos_per_task": sft_demos_per_task,
+            "eval_tasks": eval_tasks,
+            "eval_samples": eval_samples,
+        }
+        for name, value in positive.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if hidden_size % num_heads or num_heads % num_kv_heads:
+            raise ValueError(
+                f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}, and "
+                f"num_heads by num_kv_heads={num_kv_heads}"
+            )
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+            raise ValueError(
+                f"group_size must be an integer >= 2 (group-relative advantages need at least "
+                f"two episodes per task), got {group_size!r}"
+            )
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        if advantage not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {advantage!r}"
+            )
+        if loss_type not in _LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {_LOSS_TYPES}, got {loss_type!r}")
+        for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
+            if not 0.0 <= value:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if clip_low >= 1.0:
+            raise ValueError(f"clip_low must be < 1, got {clip_low!r}")
+        if not kl_coef >= 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be None or > 0, got {max_grad_norm!r}")
+        if not 0.0 <= clip_cov_ratio <= 1.0:
+            raise ValueError(f"clip_cov_ratio must be in [0, 1], got {clip_cov_ratio!r}")
+        if isinstance(sft_steps, bool) or not isinstance(sft_steps, int) or sft_steps < 0:
+            raise ValueError(f"sft_steps must be an integer >= 0, got {sft_steps!r}")
+        if sft_lr is not None and not sft_lr > 0:
+            raise ValueError(f"sft_lr must be None or > 0, got {sft_lr!r}")
+        for name, value in (
+            ("max_sampled_tokens", max_sampled_tokens),
+            ("eval_every_tokens", eval_every_tokens),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
+        if not 0.0 < success_threshold <= 1.0:
+            raise ValueError(f"success_threshold must be in (0, 1], got {success_threshold!r}")
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.automatic_optimization = False
+        self.tokenizer = CharTokenizer()
+        config_class, model_class = ARCHITECTURES[architecture]
+        config_kwargs: dict[str, Any] = {
+            "vocab_size": self.tokenizer.vocab_size,
+            "hidden_size": hidden_size,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "intermediate_size": intermediate_size,
+            "max_position_embeddings": max_position_embeddings,
+            "pad_token_id": self.tokenizer.pad_id,
+            "bos_token_id": self.tokenizer.bos_id,
+            "eos_token_id": self.tokenizer.eos_id,
+        }
+        config_kwargs.update(config_overrides or {})
+        self.model = model_class(config_class(**config_kwargs))
+        self.group_size = group_size
+        self.temperature = temperature
+        self.advantage = advantage
+        self.advantage_kwargs = dict(advantage_kwargs or {})
+        self.loss_type = loss_type
+        self.clip_low = clip_low
+        self.clip_high = clip_high
+        self.kl_coef = kl_coef
+        self.ppo_epochs = ppo_epochs
+        self.num_minibatches = num_minibatches
+        self.max_grad_norm = max_grad_norm
+        self.clip_cov_ratio = clip_cov_ratio
+        self.clip_cov_bounds = tuple(clip_cov_bounds)
+        self.sft_steps = sft_steps
+        self.sft_demos_per_task = sft_demos_per_task
+        self.sft_lr = sft_lr
+        self.max_sampled_tokens = max_sampled_tokens
+        self.eval_every_tokens = eval_every_tokens
+        self.eval_tasks = eval_tasks
+        self.eval_samples = eval_samples
+        self.success_threshold = success_threshold
+        self.optimizer = optimizer
+        # Progress (saved in checkpoints, see on_save_checkpoint).
+        self.sft_done = 0
+        self.rl_steps = 0
+        self.sampled_tokens = 0
+        self.curve: list[tuple[int, float]] = []
+        self.entropy_thirds = [[0.0, 0], [0.0, 0], [0.0, 0]]
+        self._reference: list[torch.nn.Module] = []  # a list: not a registered submodule
+
+    # ------------------------------------------------------------------ environment and rollout
+
+    @property
+    def env(self) -> TextEnv:
+        """The environment of the Trainer's DataModule."""
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer else None
+        env = getattr(datamodule, "env", None)
+        if not isinstance(env, TextEnv):
+            raise RuntimeError(
+                "OnPolicyModule needs a DataModule with an `env` attribute holding a TextEnv "
+                "(e.g. ada_modules.data.EnvTaskDataModule)"
+            )
+        return env
+
+    def _encode_observation(self, env: TextEnv, observation: object, seed: int) -> list[int]:
+        if not isinstance(observation, str) or not observation:
+            raise ValueError(
+                f"{type(env).__name__} returned an invalid observation for task seed {seed}: "
+                f"expected a non-empty string, got {observation!r}"
+            )
+        try:
+            return self.tokenizer.encode(observation)
+        except ValueError as error:
+            raise ValueError(
+                f"{type(env).__name__} returned an invalid observation for task seed {seed}: "
+                f"{error}"
+            ) from None
+
+    @torch.no_grad()
+    def _sample(self, contexts: list[list[int]], max_tokens: int, greedy: bool) -> list[list[int]]:
+        """Sample one response per context: until ``<eos>`` (kept) or ``max_tokens`` tokens."""
+        device = self.device
+        length = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), length), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(contexts), length), dtype=torch.long)
+        for row, context in enumerate(contexts):
+            ids[row, length - len(context) :] = torch.tensor(context)
+            mask[row, length - len(context) :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        responses: list[list[int]] = [[] for _ in contexts]
+        finished = torch.zeros(len(contexts), dtype=torch.bool, device=device)
+        for step in range(max_tokens):
+            logits = out.logits[:, -1].float()
+            if greedy:
+                tokens = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits / self.temperature, dim=-1)
+                tokens = torch.multinomial(probs, 1).squeeze(1)
+            for row in (~finished).nonzero().squeeze(1).tolist():
+                responses[row].append(int(tokens[row]))
+            finished |= tokens == self.tokenizer.eos_id
+            if bool(finished.all()) or step == max_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                cache=out.cache,
+                use_cache=True,
+            )
+        return responses
+
+    @torch.no_grad()
+    def rollout(
+        self, env: TextEnv, task_seeds: list[int], episodes_per_task: int, greedy: bool = False
+    ) -> Rollout:
+        """Play ``episodes_per_task`` episodes of each task with the current policy.
+
+        Raises:
+            ValueError: If the environment returns an invalid observation (naming the task
+                seed), or an episode has not ended after ``env.max_turns`` responses.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        seeds = [s for s in task_seeds for _ in range(episodes_per_task)]
+        episodes = [env.reset(s) for s in seeds]
+        tokens = [
+            [self.tokenizer.bos_id, *self._encode_observation(env, ep.observation, s)]
+            for ep, s in zip(episodes, seeds, strict=True)
+        ]
+        actions = [[0] * len(t) for t in tokens]
+        for _ in range(env.max_turns):
+            active = [i for i, ep in enumerate(episodes) if not ep.done]
+            if not active:
+                break
+            responses = self._sample([tokens[i] for i in active], env.max_action_tokens, greedy)
+            for i, response in zip(active, responses, strict=True):
+                tokens[i] += response
+                actions[i] += [1] * len(response)
+                episodes[i].step(self.tokenizer.decode(response))
+                if not episodes[i].done:
+                    observation = self._encode_observation(env, episodes[i].observation, seeds[i])
+                    tokens[i] += observation
+                    actions[i] += [0] * len(observation)
+        for ep, seed in zip(episodes, seeds, strict=True):
+            if not ep.done:
+                raise ValueError(
+                    f"{type(env).__name__}: the episode of task seed {seed} has not ended after "
+                    f"max_turns={env.max_turns} responses"
+                )
+        self.model.train(was_training)
+        return self._pack(
+            tokens,
+            actions,
+            [ep.reward for ep in episodes],
+            [float(ep.success) for ep in episodes],
+            [ep.turns for ep in episodes],
+        )
+
+    def _pack(
+        self,
+        tokens: list[list[int]],
+        actions: list[list[int]],
+        rewards: list[float],
+        success: list[float],
+        responses: list[int],
+    ) -> Rollout:
+        length = max(len(t) for t in tokens)
+        ids = torch.full((len(tokens), length), self.tokenizer.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        action_mask = torch.zeros_like(ids)
+        for row, (seq, act) in enumerate(zip(tokens, actions, strict=True)):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            attention[row, : len(seq)] = 1
+            action_mask[row, : len(act)] = torch.tensor(act)
+        device = self.device
+        return Rollout(
+            input_ids=ids.to(device),
+            attention_mask=attention.to(device),
+            action_mask=action_mask.to(device),
+            rewards=torch.tensor(rewards, dtype=torch.float32, device=device),
+            success=torch.tensor(success, dtype=torch.float32, device=device),
+            responses=torch.tensor(responses, dtype=torch.float32, device=device),
+        )
+
+    def _demonstrations(self, env: TextEnv, task_seeds: list[int]) -> Rollout:
+        tokens, actions, rewards, success, responses = [], [], [], [], []
+        for seed in task_seeds:
+            for k in range(self.sft_demos_per_task):
+                rng = random.Random(seed * 1_000_003 + k)
+                transcript: Transcript = env.demonstrate(seed, rng)
+                seq = [self.tokenizer.bos_id]
+                act = [0]
+                for t, action in enumerate(transcript.actions):
+                    observation = self._encode_observation(env, transcript.observations[t], seed)
+                    seq += observation
+                    act += [0] * len(observation)
+                    response = self.tokenizer.encode(action)
+                    if len(response) < env.max_action_tokens:
+                        response.append(self.tokenizer.eos_id)
+                    seq += response
+                    act += [1] * len(response)
+                tokens.append(seq)
+                actions.append(act)
+                rewards.append(transcript.reward)
+                success.append(float(transcript.success))
+                responses.append(len(transcript.actions))
+        return self._pack(tokens, actions, rewards, success, responses)
+
+    # ------------------------------------------------------------------ losses
+
+    def token_logprobs(
+        self, rollout: Rollout, rows: Tensor | slice = slice(None)
+    ) -> tuple[Tensor, Tensor]:
+        """Log-probabilities of the sampled tokens and next-token entropies, shape ``(n, seq-1)``.
+
+        Position ``t`` scores token ``t + 1`` under ``softmax(logits / temperature)``.
+        """
+        ids = rollout.input_ids[rows]
+        logits = self.model(input_ids=ids, attention_mask=rollout.attention_mask[rows]).logits
+        logp_all = torch.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
+        logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+
+    def policy_loss(
+        self,
+        logp: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        ref_logp: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Clipped surrogate (+ KL) over response tokens, aggregated per ``loss_type``.
+
+        Args:
+            logp: Current log-probabilities of the sampled tokens, ``(n, seq)``.
+            old_logp: Their log-probabilities under the sampling policy, ``(n, seq)``.
+            advantages: One advantage per episode, ``(n,)``.
+            mask: 1 on response tokens, ``(n, seq)``.
+            ref_logp: Log-probabilities under the reference policy (for the KL term).
+
+        Returns:
+            The loss and detached diagnostics (``clip_fraction``, ``kl``, ``clip_cov_fraction``).
+
+        Raises:
+            ValueError: If the shapes do not match.
+        """
+        if logp.shape != old_logp.shape or logp.shape != mask.shape:
+            raise ValueError(
+                "logp, old_logp and mask must have the same shape, got "
+                f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
+            )
+        if advantages.shape != logp.shape[:1]:
+            raise ValueError(
+                f"advantages must have shape ({logp.shape[0]},) (one per sequence), got "
+                f"{tuple(advantages.shape)}"
+            )
+        mask = mask.float()
+        token_adv = advantages[:, None].expand_as(logp)
+        ratio = torch.exp(logp - old_logp)
+        unclipped = ratio * token_adv
+        clipped = ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high) * token_adv
+        per_token = -torch.minimum(unclipped, clipped)
+        kl = torch.zeros_like(per_token)
+        if ref_logp is not None and self.kl_coef > 0:
+            log_ratio = ref_logp - logp
+            kl = torch.exp(log_ratio) - log_ratio - 1.0
+            per_token = per_token + self.kl_coef * kl
+        keep = mask
+        if self.clip_cov_ratio > 0:
+            keep = (
+                mask
+                * clip_cov_mask(
+                    token_adv.detach(),
+                    logp.detach(),
+                    mask,
+                    ratio=self.clip_cov_ratio,
+                    bounds=self.clip_cov_bounds,
+                ).float()
+            )
+        total = mask.sum().clamp(min=1.0)
+        if self.loss_type == "token":
+            loss = (per_token * keep).sum() / total
+        elif self.loss_type == "sequence":
+            loss = ((per_token * keep).sum(1) / mask.sum(1).clamp(min=1.0)).mean()
+        else:
+            env = self.env if self._trainer else None
+            longest = env.max_turns * env.max_action_tokens if env else logp.shape[1]
+            loss = (per_token * keep).sum() / (logp.shape[0] * longest)
+        with torch.no_grad():
+            is_clipped = ((ratio < 1.0 - self.clip_low) & (token_adv < 0)) | (
+                (ratio > 1.0 + self.clip_high) & (token_adv > 0)
+            )
+            stats = {
+                "clip_fraction": (is_clipped.float() * mask).sum() / total,
+                "kl": (kl * mask).sum() / total,
+                "clip_cov_fraction": ((mask - keep) * mask).sum() / total,
+            }
+        return loss, stats
+
+    # ------------------------------------------------------------------ training
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        task_seeds = batch["task_seeds"].tolist()
+        optimizers = self.optimizers()
+        optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+        if self.sft_done < self.sft_steps:
+            self._sft_step(task_seeds, optimizers[-1])
+            return
+        self._rl_step(task_seeds, optimizers[0])
+
+    def _step(self, optimizer: Any, loss: Tensor) -> None:
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        if self.max_grad_norm is not None:
+            self.clip_gradients(
+                optimizer, gradient_clip_val=self.max_grad_norm, gradient_clip_algorithm="norm"
+            )
+        optimizer.step()
+
+    def _sft_step(self, task_seeds: list[int], optimizer: Any) -> None:
+        demos = self._demonstrations(self.env, task_seeds)
+        logits = self.model(input_ids=demos.input_ids, attention_mask=demos.attention_mask).logits
+        targets = demos.input_ids[:, 1:].masked_fill(demos.action_mask[:, 1:] == 0, -100)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten())
+        self._step(optimizer, loss)
+        self.sft_done += 1
+        self.log("train/sft_loss", loss.detach(), prog_bar=True, batch_size=len(task_seeds))
+
+    def _rl_step(self, task_seeds: list[int], optimizer: Any) -> None:
+        env = self.env
+        if not self.curve:
+            self._evaluate_curve(env)
+        if self.kl_coef > 0 and not self._reference:
+            self._reference.append(copy.deepcopy(self.model).eval().requires_grad_(False))
+        rollout = self.rollout(env, task_seeds, self.group_size)
+        mask = rollout.action_mask[:, 1:].float()
+        with torch.no_grad():
+            old_logp, entropy = self.token_logprobs(rollout)
+            ref_logp = None
+            if self._reference:
+                ref = self._reference[0]
+                logits = ref(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask)
+                ref_all = torch.log_softmax(logits.logits[:, :-1].float() / self.temperature, -1)
+                ref_logp = ref_all.gather(-1, rollout.input_ids[:, 1:, None]).squeeze(-1)
+        lengths = mask.sum(1)
+        surprisal_sum = -(old_logp * mask).sum(1)
+        surprisal = surprisal_sum / lengths.clamp(min=1.0)
+        num_prompts = len(task_seeds)
+        rewards = rollout.rewards.view(num_prompts, self.group_size)
+        progress = (
+            min(1.0, self.sampled_tokens / self.max_sampled_tokens)
+            if self.max_sampled_tokens
+            else 0.0
+        )
+        stats = RolloutStats(
+            surprisal=surprisal.view(num_prompts, self.group_size),
+            progress=progress,
+            entropy=float(surprisal.mean()),
+        )
+        estimator = ADVANTAGE_ESTIMATORS[self.advantage]
+        advantages = estimator(rewards, stats, **self.advantage_kwargs).reshape(-1)
+        if advantages.shape != rollout.rewards.shape:
+            raise ValueError(
+                f"advantage estimator {self.advantage!r} returned shape "
+                f"{tuple(advantages.shape)}, expected {tuple(rewards.shape)}"
+            )
+
+        num_episodes = rollout.rewards.numel()
+        diagnostics: dict[str, list[Tensor]] = {"clip_fraction": [], "kl": [], "loss": []}
+        diagnostics["clip_cov_fraction"] = []
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(num_episodes, device=self.device)
+            for rows in order.chunk(self.num_minibatches):
+                logp, _ = self.token_logprobs(rollout, rows)
+                loss, loss_stats = self.policy_loss(
+                    logp,
+                    old_logp[rows],
+                    advantages[rows],
+                    mask[rows],
+                    None if ref_logp is None else ref_logp[rows],
+                )
+                self._step(optimizer, loss)
+                diagnostics["loss"].append(loss.detach())
+                for key, value in loss_stats.items():
+                    diagnostics[key].append(value)
+
+        new_tokens = int(lengths.sum())
+        self.sampled_tokens += new_tokens
+        self.rl_steps += 1
+        response_entropy = float(surprisal_sum.sum() / rollout.responses.sum())
+        third = min(2, int(3 * progress))
+        self.entropy_thirds[third][0] += response_entropy
+        self.entropy_thirds[third][1] += 1
+        metrics = {
+            "train/reward": rollout.rewards.mean(),
+            "train/success": rollout.success.mean(),
+            "train/token_entropy": (entropy * mask).sum() / mask.sum(),
+            "train/response_entropy": torch.tensor(response_entropy),
+            "train/response_length": lengths.sum() / rollout.responses.sum(),
+            "train/episode_turns": rollout.responses.mean(),
+            "train/sampled_tokens": torch.tensor(float(self.sampled_tokens)),
+            "train/advantage_abs": advantages.abs().mean(),
+        }
+        for key, values in diagnostics.items():
+            metrics[f"train/{key}"] = torch.stack(values).mean()
+        metrics.update(self._entropy_summary())
+        self.log_dict(metrics, batch_size=num_prompts)
+        budget_spent = self.max_sampled_tokens and self.sampled_tokens >= self.max_sampled_tokens
+        last_eval = self.curve[-1][0] if self.curve else 0
+        if budget_spent or (
+            self.eval_every_tokens and self.sampled_tokens - last_eval >= self.eval_every_tokens
+        ):
+            self._evaluate_curve(env)
+        if budget_spent:
+            self.trainer.should_stop = True
+
+    def _entropy_summary(self) -> dict[str, Tensor]:
+        values = {}
+        for name, (total, count) in (
+            ("early", self.entropy_thirds[0]),
+            ("late", self.entropy_thirds[2]),
+        ):
+            values[f"train/response_entropy_{name}"] = torch.tensor(
+                total / count if count else math.nan
+            )
+        return values
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _success(self, env: TextEnv, task_seeds: list[int], greedy: bool) -> Rollout:
+        return self.rollout(env, task_seeds, 1 if greedy else self.eval_samples, greedy=greedy)
+
+    def _evaluate_curve(self, env: TextEnv) -> None:
+        """Evaluate on the first ``eval_tasks`` validation tasks; log the success-curve metrics."""
+        seeds = self.trainer.datamodule.tasks("val")[: self.eval_tasks]
+        success = float(self._success(env, seeds, greedy=False).success.mean())
+        greedy = float(self._success(env, seeds, greedy=True).success.mean())
+        self.curve.append((self.sampled_tokens, success))
+        self.log_dict(
+            {"val/success": torch.tensor(success), "val/success_greedy": torch.tensor(greedy)},
+            batch_size=len(seeds),
+        )
+        self._log_curve_summary()
+
+    def curve_summary(self) -> dict[str, float]:
+        """Start, best, area and tokens-to-threshold of the success curve (NaN while empty)."""
+        if not self.curve:
+            names = ("start", "best", "auc")
+            return {**{f"success_{n}": math.nan for n in names}, "tokens_to_threshold": math.nan}
+        tokens = [t for t, _ in self.curve]
+        values = [s for _, s in self.curve]
+        span = tokens[-1] - tokens[0]
+        auc = values[0]
+        if span > 0:
+            area = sum(
+                (tokens[i + 1] - tokens[i]) * (values[i + 1] + values[i]) / 2
+                for i in range(len(tokens) - 1)
+            )
+            auc = area / span
+        reached = float(tokens[-1])
+        for i, value in enumerate(values):
+            if value >= self.success_threshold:
+                reached = float(tokens[0])
+                if i > 0:
+                    t0, t1, v0 = tokens[i - 1], tokens[i], values[i - 1]
+                    reached = t0 + (t1 - t0) * (self.success_threshold - v0) / (value - v0)
+                break
+        return {
+            "success_start": values[0],
+            "success_best": max(values),
+            "success_auc": auc,
+            "tokens_to_threshold": reached,
+        }
+
+    def _log_curve_summary(self) -> None:
+        summary = {f"val/{k}": torch.tensor(v) for k, v in self.curve_summary().items()}
+        self.log_dict({**summary, **self._entropy_summary()}, batch_size=1)
+
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
+        env = self.env
+        seeds = batch["task_seeds"].tolist()
+        sampled = self._success(env, seeds, greedy=False)
+        greedy = self._success(env, seeds, greedy=True)
+        lengths = sampled.action_mask.sum(1).float()
+        self.log_dict(
+            {
+                f"{stage}/success": sampled.success.mean(),
+                f"{stage}/success_greedy": greedy.success.mean(),
+                f"{stage}/response_length": lengths.sum() / sampled.responses.sum(),
+            },
+            batch_size=len(seeds),
+        )
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_curve_summary()
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    # ------------------------------------------------------------------ optimizers and state
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            if param.requires_grad:
+                (decay if param.ndim >= 2 else no_decay).append(param)
+
+        def build() -> torch.optim.Optimizer:
+            return self.optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+
+        if self.sft_steps == 0:
+            return build()
+        sft = build()
+        if self.sft_lr is not None:
+            for group in sft.param_groups:
+                group["lr"] = self.sft_lr
+        return [build(), sft]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["on_policy_progress"] = {
+            "sft_done": self.sft_done,
+            "rl_steps": self.rl_steps,
+            "sampled_tokens": self.sampled_tokens,
+            "curve": list(self.curve),
+            "entropy_thirds": [list(x) for x in self.entropy_thirds],
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        progress = checkpoint.get("on_policy_progress")
+        if progress:
+            self.sft_done = progress["sft_done"]
+            self.rl_steps = progress["rl_steps"]
+            self.sampled_tokens = progress["sampled_tokens"]
+            self.curve = [tuple(x) for x in progress["curve"]]
+            self.entropy_thirds = [list(x) for x in progress["entropy_thirds"]]
