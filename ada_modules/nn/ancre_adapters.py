@@ -1,0 +1,305 @@
+"""Learned residual connectivity (ANCRe) on existing models: HF decoders, timm, diffusers DiT.
+
+Each adapter replaces the blocks of a model in place by :class:`~ada_modules.nn.ancre.RoutedBlock`
+wrappers and registers one :class:`~ada_modules.nn.ancre.ConnectivityRouter` on the model, without
+copying or forking the model's code: its own loop over its layers runs the routed stack. At init
+the wrapped model computes exactly what it computed before (modes ``"source"``, ``"input"``,
+``"denseformer"``). Wrap after loading weights: the wrapped blocks' parameters are renamed
+``<layer>.block.<name>``.
+
+- :func:`wrap_hf_decoder`: the decoder layers of a transformers ``LlamaForCausalLM`` /
+  ``Qwen2ForCausalLM`` (any model whose decoder has ``.layers``); router at
+  ``<decoder>.connectivity``.
+- :func:`wrap_timm`: a timm ViT-like model (``.blocks``; router at ``model.connectivity``) or
+  ResNet (the shape-preserving blocks ``layerN[1:]`` of each stage, one router per stage at
+  ``model.connectivity[N-1]``).
+- :func:`wrap_diffusers_dit`: ``transformer_blocks`` of diffusers' ``DiTTransformer2DModel``.
+- :class:`ConnectivityWrapper`: picks the adapter from the model; a callable that YAML can set
+  (``CausalLMModule(model_wrapper=...)``).
+- :class:`MLPResNet`: a deep residual MLP trunk with a selectable layout (the digits
+  reproduction, ``ImageClassifierModule(trunk=...)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ada_modules.nn.ancre import MODES, ANCReStack, Mode, wrap_module_list
+
+__all__ = [
+    "ConnectivityWrapper",
+    "MLPResNet",
+    "wrap_diffusers_dit",
+    "wrap_hf_decoder",
+    "wrap_timm",
+]
+
+
+def _channel_kwargs(router_kwargs: dict[str, Any], channels: int, dim: int) -> dict[str, Any]:
+    if router_kwargs.get("per_channel"):
+        return {"num_channels": channels, "channel_dim": dim, **router_kwargs}
+    return router_kwargs
+
+
+def wrap_hf_decoder(model: nn.Module, **router_kwargs: Any) -> nn.Module:
+    """Route the decoder layers of a transformers causal LM in place; returns ``model``.
+
+    Works on models whose decoder (``model.model`` or ``model.get_decoder()``) holds its layers
+    in ``.layers`` and adds each layer's input inside the layer (Llama, Qwen2, Mistral, ...).
+    ``generate`` and KV caches work unchanged (the routing is per position).
+
+    Args:
+        model: E.g. ``LlamaForCausalLM(config)``.
+        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre.ConnectivityRouter`
+            (``num_channels`` and ``channel_dim`` are filled in for ``per_channel=True``).
+
+    Raises:
+        TypeError: If the model has no decoder with ``.layers``.
+
+    Examples:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                      num_hidden_layers=3, num_attention_heads=2)
+        >>> model = wrap_hf_decoder(LlamaForCausalLM(config), mode="source")
+        >>> model.model.connectivity.num_layers
+        3
+    """
+    decoder = getattr(model, "model", None)
+    if decoder is None and hasattr(model, "get_decoder"):
+        decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no decoder with a .layers ModuleList")
+    hidden = int(model.config.hidden_size)
+    wrap_module_list(layers, decoder, **_channel_kwargs(router_kwargs, hidden, -1))
+    return model
+
+
+def _out_channels(block: nn.Module) -> int:
+    for module in reversed(list(block.modules())):
+        if isinstance(module, nn.BatchNorm2d | nn.GroupNorm):
+            return int(getattr(module, "num_features", None) or module.num_channels)
+    raise TypeError(f"cannot infer the output channels of {type(block).__name__}")
+
+
+def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
+    """Route a timm model in place; returns ``model``.
+
+    ViT-like models (``model.blocks``, an ``nn.Sequential`` of transformer blocks of width
+    ``model.embed_dim``) get one router over all blocks. ResNets (``layer1..layer4``) get one
+    router per stage over the blocks after the first (the first block of a stage changes the
+    resolution or the width); stages with a single block are left as they are. A ResNet block
+    applies its activation after its own residual addition, so the learned shortcut correction
+    is added after that activation.
+
+    Args:
+        model: E.g. ``timm.create_model("resnet18", pretrained=False)``.
+        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre.ConnectivityRouter`.
+
+    Raises:
+        TypeError: If the model is neither ViT-like nor a ResNet.
+
+    Examples:
+        >>> import timm
+        >>> vit = timm.models.VisionTransformer(img_size=16, patch_size=8, embed_dim=16,
+        ...                                     depth=3, num_heads=2, num_classes=4)
+        >>> wrap_timm(vit).connectivity.num_layers
+        3
+    """
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.Sequential | nn.ModuleList):
+        width = int(model.embed_dim)
+        wrap_module_list(blocks, model, **_channel_kwargs(router_kwargs, width, -1))
+        return model
+    stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
+    if not all(isinstance(stage, nn.Sequential) for stage in stages):
+        raise TypeError(f"{type(model).__name__} is neither ViT-like (.blocks) nor a ResNet")
+    holder = nn.Module()  # owner of the routers, so that no stage calls them
+    routers = nn.ModuleList()
+    for i, stage in enumerate(stages):
+        if len(stage) < 2:
+            continue
+        kwargs = _channel_kwargs(router_kwargs, _out_channels(stage[0]), 1)
+        routers.append(wrap_module_list(stage, holder, name=f"stage{i}", start=1, **kwargs))
+    model.connectivity = routers
+    return model
+
+
+def wrap_diffusers_dit(model: nn.Module, **router_kwargs: Any) -> nn.Module:
+    """Route the transformer blocks of a diffusers DiT (``DiTTransformer2DModel``) in place.
+
+    The model's own loop calls each block with its timestep and class labels; those arguments
+    pass through the wrappers. Returns ``model``.
+
+    Args:
+        model: A model with a ``transformer_blocks`` ``nn.ModuleList`` and ``inner_dim``.
+        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre.ConnectivityRouter`.
+
+    Raises:
+        TypeError: If the model has no ``transformer_blocks``.
+
+    Examples:
+        >>> from diffusers import DiTTransformer2DModel
+        >>> dit = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8,
+        ...     in_channels=4, num_layers=2, sample_size=8, norm_num_groups=4,
+        ...     num_embeds_ada_norm=10)
+        >>> wrap_diffusers_dit(dit, mode="input").connectivity.mode
+        'input'
+    """
+    blocks = getattr(model, "transformer_blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no transformer_blocks ModuleList")
+    width = int(model.inner_dim)
+    wrap_module_list(blocks, model, **_channel_kwargs(router_kwargs, width, -1))
+    return model
+
+
+class ConnectivityWrapper:
+    """Routes a model's blocks when called on it: HF decoder, timm, or diffusers DiT.
+
+    A callable with the router's settings, for YAML (``CausalLMModule(model_wrapper=...)``).
+    ``mode="residual"`` leaves the model untouched.
+
+    Args:
+        mode: Layout, see :class:`~ada_modules.nn.ancre.ConnectivityRouter`.
+        temperature: Softmax temperature of the routing.
+        final_temperature: If given, anneal the temperature to this value.
+        anneal_steps: Training steps of the annealing.
+        dilation: Sources are restricted to every ``dilation``-th state.
+        top_k: Mix only the ``top_k`` strongest sources per layer.
+        per_channel: One coefficient per channel.
+        gate: Exact-identity gate (``True``) or pure softmax (``False``).
+        prev_logit: Initial logit of the previous state.
+
+    Raises:
+        ValueError: If ``mode`` is unknown (other arguments are checked when called).
+
+    Examples:
+        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> config = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+        >>> model = ConnectivityWrapper(mode="source")(Qwen2ForCausalLM(config))
+        >>> type(model.model.layers[0]).__name__
+        'RoutedBlock'
+
+        In YAML::
+
+            model_wrapper:
+              class_path: ada_modules.nn.ConnectivityWrapper
+              init_args: {mode: source, temperature: 1.0}
+    """
+
+    def __init__(
+        self,
+        mode: Mode = "source",
+        temperature: float = 1.0,
+        final_temperature: float | None = None,
+        anneal_steps: int = 0,
+        dilation: int = 1,
+        top_k: int | None = None,
+        per_channel: bool = False,
+        gate: bool = True,
+        prev_logit: float = 0.0,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.router_kwargs: dict[str, Any] = {
+            "mode": mode,
+            "temperature": temperature,
+            "final_temperature": final_temperature,
+            "anneal_steps": anneal_steps,
+            "dilation": dilation,
+            "top_k": top_k,
+            "per_channel": per_channel,
+            "gate": gate,
+            "prev_logit": prev_logit,
+        }
+
+    def __call__(self, model: nn.Module) -> nn.Module:
+        """Route ``model`` in place with the adapter that fits it; return it."""
+        if self.mode == "residual":
+            return model
+        if hasattr(model, "transformer_blocks"):
+            return wrap_diffusers_dit(model, **self.router_kwargs)
+        if hasattr(model, "blocks") or hasattr(model, "layer1"):
+            return wrap_timm(model, **self.router_kwargs)
+        return wrap_hf_decoder(model, **self.router_kwargs)
+
+
+class MLPResNet(ANCReStack):
+    """A deep residual MLP trunk ``x + F_i(x)``, ``F_i = Linear(ReLU(Linear(LayerNorm(x))))``.
+
+    An :class:`~ada_modules.nn.ancre.ANCReStack` of ``depth`` branch blocks of width ``width``;
+    ``mode`` selects the residual, ReZero, DenseFormer-like or ANCRe layout. Built with the width
+    as first argument, so it is a ``Callable[[int], nn.Module]`` for
+    ``ImageClassifierModule(trunk=...)``.
+
+    Args:
+        width: Input and output width.
+        depth: Number of residual blocks.
+        expansion: Hidden width of each block as a multiple of ``width``.
+        mode: Layout, see :class:`~ada_modules.nn.ancre.ConnectivityRouter`.
+        temperature: Softmax temperature of the routing.
+        final_temperature: If given, anneal the temperature to this value.
+        anneal_steps: Training steps of the annealing.
+        dilation: Sources are restricted to every ``dilation``-th state.
+        top_k: Mix only the ``top_k`` strongest sources per layer.
+        per_channel: One coefficient per channel.
+        gate: Exact-identity gate (``True``) or pure softmax (``False``).
+        prev_logit: Initial logit of the previous state.
+
+    Raises:
+        ValueError: If ``width``, ``depth`` or ``expansion`` is below 1, or a router argument is
+            out of range.
+
+    Examples:
+        >>> import torch
+        >>> trunk = MLPResNet(16, depth=4, mode="source")
+        >>> trunk(torch.zeros(3, 16)).shape
+        torch.Size([3, 16])
+    """
+
+    def __init__(
+        self,
+        width: int,
+        depth: int = 16,
+        expansion: int = 1,
+        mode: Mode = "residual",
+        temperature: float = 1.0,
+        final_temperature: float | None = None,
+        anneal_steps: int = 0,
+        dilation: int = 1,
+        top_k: int | None = None,
+        per_channel: bool = False,
+        gate: bool = True,
+        prev_logit: float = 0.0,
+    ) -> None:
+        for name, value in (("width", width), ("depth", depth), ("expansion", expansion)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        blocks = [
+            nn.Sequential(
+                nn.LayerNorm(width),
+                nn.Linear(width, expansion * width),
+                nn.ReLU(),
+                nn.Linear(expansion * width, width),
+            )
+            for _ in range(depth)
+        ]
+        super().__init__(
+            blocks,
+            mode=mode,
+            temperature=temperature,
+            final_temperature=final_temperature,
+            anneal_steps=anneal_steps,
+            dilation=dilation,
+            top_k=top_k,
+            per_channel=per_channel,
+            num_channels=width,
+            gate=gate,
+            prev_logit=prev_logit,
+            residual_in_block=False,
+        )

@@ -1,0 +1,392 @@
+"""ANCRe's motivating example on CPU: a deep linear network, residual layout vs learned layout.
+
+Deep linear regression (issue 6, part 5a): ``K = 32`` linear blocks ``F_i(x) = W_i x`` of
+width ``d = 16``, trained by Adam (``--lr``, default 1e-2; full batch of 512) to fit ``y = A x``
+for a random target ``A = scale * G / sqrt(d)`` with ``G`` standard Gaussian (deterministic from
+the seed; such a target has eigenvalues on the negative real axis or far from 1, which
+identity-initialised residual products reach slowly). The layouts, all ``ANCReStack`` modes on the same blocks and the same init (``W_i`` Gaussian with
+std ``0.02/sqrt(d)``):
+
+- ``residual``: ``x_{i+1} = x_i + W_i x_i``,
+- ``rezero``: ``x_{i+1} = x_i + alpha_i W_i x_i``,
+- ``denseformer``: DenseFormer-like weighted averages of all earlier states as block inputs,
+- ``ancre_source``: learned shortcut sources (softmax over earlier states, exact-identity gate),
+- ``ancre_input``: learned block inputs with the same softmax.
+
+Columns: steps until the training MSE first falls below ``threshold`` times its initial value
+(checked every step, capped at ``steps``; a capped run counts as ``steps`` and is flagged with ``>``),
+the ratio to ``residual`` (per seed, then mean ± std), the final loss, extra parameters in percent,
+and the time per step relative to ``residual``. Mean ± std over seeds 0, 1, 2 (quick: seed 0).
+
+Then the overhead of each layout on the models of reproductions (b) and (c): extra parameters
+(% of the model) and forward+backward time (% over residual, layouts interleaved, median of 15
+rounds of 5 passes).
+
+``--curves DIR [DIR ...]`` instead reads finished ``ada sweep`` folders (the CSV logs of each
+run), prints, per variant, the steps until ``--metric`` first reaches ``--curve-threshold``
+(default: the ``residual`` variant's mean final value, i.e. the steps to reach the baseline's final
+quality) and its final value (mean ± std over seeds), and plots the mean curve per variant to
+``--out/<sweep>_curve.png``. ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual``
+(mean over seeds) of the ``ancre_source`` runs' final checkpoints to ``--out/connectivity.png``.
+
+Runs on one thread. Writes ``ancre.json`` (and ``deep_linear.png``, the loss curves of seed 0) to
+``--out``. Reports only; no assertion on the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+import torch
+from torch import Tensor, nn
+
+from ada_modules.nn import ANCReStack, ConnectivityRouter, MLPResNet
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+LAYOUTS = ("residual", "rezero", "denseformer", "ancre_source", "ancre_input")
+
+
+def _stack(layout: str, depth: int, width: int, seed: int) -> ANCReStack:
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(depth):
+        linear = nn.Linear(width, width, bias=False)
+        nn.init.normal_(linear.weight, std=0.02 / math.sqrt(width))
+        blocks.append(linear)
+    mode = {"ancre_source": "source", "ancre_input": "input"}.get(layout, layout)
+    return ANCReStack(blocks, mode=mode, residual_in_block=False)
+
+
+def deep_linear(
+    layout: str,
+    seed: int,
+    depth: int,
+    width: int,
+    steps: int,
+    threshold: float,
+    target_scale: float,
+    lr: float = 1e-2,
+) -> dict:
+    """Train one layout on one seed; return steps-to-threshold, final loss, curve and timing."""
+    generator = torch.Generator().manual_seed(1000 + seed)
+    target = target_scale * torch.randn(width, width, generator=generator) / math.sqrt(width)
+    inputs = torch.randn(512, width, generator=generator)
+    labels = inputs @ target.T
+    model = _stack(layout, depth, width, seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    curve = []
+    hit = None
+    start = time.perf_counter()
+    for step in range(steps + 1):
+        loss = nn.functional.mse_loss(model(inputs), labels)
+        curve.append(loss.item())
+        if hit is None and curve[-1] <= threshold * curve[0]:
+            hit = step
+            if step >= 1:
+                break
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    elapsed = time.perf_counter() - start
+    extra = sum(p.numel() for p in model.router.parameters())
+    base = sum(p.numel() for p in model.layers.parameters())
+    return {
+        "layout": layout,
+        "seed": seed,
+        "steps_to_threshold": steps if hit is None else hit,
+        "reached": hit is not None,
+        "final_loss": curve[-1],
+        "curve": curve,
+        "extra_params_pct": 100.0 * extra / base,
+        "seconds_per_step": elapsed / len(curve),
+    }
+
+
+def _fmt(values: list[float], digits: int = 3) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.{digits}g}"
+    return f"{statistics.mean(values):.{digits}g} ± {statistics.stdev(values):.{digits}g}"
+
+
+def run_deep_linear(args: argparse.Namespace, seeds: list[int]) -> list[dict]:
+    records = []
+    for seed in seeds:
+        for layout in LAYOUTS:
+            records.append(
+                deep_linear(
+                    layout,
+                    seed,
+                    args.depth,
+                    args.width,
+                    args.steps,
+                    args.threshold,
+                    args.scale,
+                    lr=args.lr,
+                )
+            )
+            print(
+                f"[done] {layout} seed {seed}: {records[-1]['steps_to_threshold']} steps",
+                file=sys.stderr,
+                flush=True,
+            )
+    by = {(r["layout"], r["seed"]): r for r in records}
+    print(
+        f"\n### Deep linear network: K={args.depth}, d={args.width}, Adam lr {args.lr:g}, "
+        f"threshold {args.threshold:g} x initial MSE, cap {args.steps} steps, seeds {seeds}\n"
+    )
+    print(
+        "| layout | steps to threshold | ratio to residual | reached | final MSE | "
+        "extra params % | time/step vs residual |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for layout in LAYOUTS:
+        rows = [by[(layout, s)] for s in seeds]
+        steps = [r["steps_to_threshold"] for r in rows]
+        ratio = [
+            r["steps_to_threshold"] / by[("residual", r["seed"])]["steps_to_threshold"]
+            for r in rows
+        ]
+        time_ratio = [
+            r["seconds_per_step"] / by[("residual", r["seed"])]["seconds_per_step"] for r in rows
+        ]
+        reached = sum(r["reached"] for r in rows)
+        print(
+            f"| {layout} | {_fmt(steps)} | {_fmt(ratio)} | {reached}/{len(rows)} | "
+            f"{_fmt([r['final_loss'] for r in rows])} | {rows[0]['extra_params_pct']:.2f} | "
+            f"{_fmt(time_ratio)} |"
+        )
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for layout in LAYOUTS:
+        ax.semilogy(by[(layout, seeds[0])]["curve"], label=layout)
+    ax.set_xlabel("Adam step")
+    ax.set_ylabel("training MSE")
+    ax.set_title(f"deep linear network, K={args.depth}, seed {seeds[0]}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "deep_linear.png", dpi=110)
+    plt.close(fig)
+    return records
+
+
+def _overhead_models(mode: str) -> dict[str, tuple[nn.Module, Callable[[nn.Module], Tensor]]]:
+    from ada_modules.models import CausalLMModule
+    from ada_modules.nn import ConnectivityWrapper
+
+    torch.manual_seed(0)
+    trunk = MLPResNet(64, depth=16, mode=mode)
+    images = torch.randn(64, 64)
+    lm = CausalLMModule(
+        hidden_size=32,
+        num_layers=8,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=128,
+        model_wrapper=ConnectivityWrapper(mode=mode),
+    ).model
+    ids = torch.randint(3, 20, (32, 45))
+    return {
+        "digits MLP-ResNet trunk (16 blocks, width 64, batch 64)": (
+            trunk,
+            lambda m: m(images).square().mean(),
+        ),
+        "tiny LM (Llama, 8 layers, width 32, batch 32x45)": (
+            lm,
+            lambda m: m(input_ids=ids, labels=ids).loss,
+        ),
+    }
+
+
+def run_overhead(rounds: int) -> list[dict]:
+    """Extra parameters and forward+backward time of each layout against residual.
+
+    The layouts are timed in interleaved rounds (A, B, C, D, A, B, ...) on the same inputs; the
+    median over rounds of the per-round time is reported.
+    """
+    modes = ("residual", "rezero", "denseformer", "source")
+    built = {mode: _overhead_models(mode) for mode in modes}
+    records = []
+    print("\n### Overhead: forward+backward time and parameters vs residual (1 thread)\n")
+    print("| model | layout | extra params | extra params % | median ms | time overhead % |")
+    print("|---|---|---|---|---|---|")
+    for name in built["residual"]:
+        times: dict[str, list[float]] = {mode: [] for mode in modes}
+        for _ in range(rounds):
+            for mode in modes:
+                model, loss_fn = built[mode][name]
+                start = time.perf_counter()
+                for _ in range(5):
+                    model.zero_grad(set_to_none=True)
+                    loss_fn(model).backward()
+                times[mode].append((time.perf_counter() - start) / 5)
+        base_ms = 1000 * statistics.median(times["residual"])
+        base_params = sum(p.numel() for p in built["residual"][name][0].parameters())
+        for mode in modes:
+            model = built[mode][name][0]
+            extra = sum(p.numel() for p in model.parameters()) - base_params
+            ms = 1000 * statistics.median(times[mode])
+            record = {
+                "model": name,
+                "layout": mode,
+                "extra_params": extra,
+                "extra_params_pct": 100 * extra / base_params,
+                "median_ms": ms,
+                "time_overhead_pct": 100 * (ms / base_ms - 1),
+            }
+            records.append(record)
+            print(
+                f"| {name} | {mode} | {extra} | {record['extra_params_pct']:.3f} | {ms:.2f} | "
+                f"{record['time_overhead_pct']:+.1f} |"
+            )
+    return records
+
+
+def _read_curve(run_dir: Path, metric: str) -> list[tuple[int, float]]:
+    points = []
+    for path in sorted(run_dir.glob("**/metrics.csv")):
+        with path.open() as handle:
+            for row in csv.DictReader(handle):
+                if row.get(metric):
+                    points.append((int(row["step"]), float(row[metric])))
+    return sorted(points)
+
+
+def run_curves(args: argparse.Namespace) -> list[dict]:
+    """Steps-to-threshold and mean curves from finished sweep folders.
+
+    The threshold is ``--curve-threshold`` if given, else the mean final value of the
+    ``residual`` variant: the steps each layout needs to reach the baseline's final quality.
+    """
+    summary = []
+    for folder in args.curves:
+        folder = Path(folder)
+        runs = folder / "runs"
+        curves = {}
+        for variant_dir in sorted(p for p in runs.iterdir() if p.is_dir()):
+            found = [
+                _read_curve(seed_dir, args.metric)
+                for seed_dir in sorted(variant_dir.glob("seed_*"))
+            ]
+            if any(found):
+                curves[variant_dir.name] = [c for c in found if c]
+        threshold = args.curve_threshold
+        if threshold is None:
+            threshold = statistics.mean(c[-1][1] for c in curves["residual"])
+        print(f"\n### {folder.name}: {args.metric}, threshold {threshold:.4g}\n")
+        print(f"| variant | seeds | steps to {args.metric} <= {threshold:.4g} (per seed) | final |")
+        print("|---|---|---|---|")
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for variant, runs_curves in curves.items():
+            # Lightning logs the validation after step n at step n - 1.
+            hits = [next((s + 1 for s, v in c if v <= threshold), None) for c in runs_curves]
+            label = [
+                str(h) if h is not None else f">{c[-1][0] + 1}"
+                for h, c in zip(hits, runs_curves, strict=True)
+            ]
+            finals = [c[-1][1] for c in runs_curves]
+            print(f"| {variant} | {len(runs_curves)} | {', '.join(label)} | {_fmt(finals, 4)} |")
+            steps = sorted({s for c in runs_curves for s, _ in c})
+            mean = [statistics.mean(dict(c).get(s, math.nan) for c in runs_curves) for s in steps]
+            ax.plot([s + 1 for s in steps], mean, marker=".", label=variant)
+            summary.append(
+                {
+                    "sweep": folder.name,
+                    "variant": variant,
+                    "threshold": threshold,
+                    "hits": hits,
+                    "final": finals,
+                }
+            )
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{args.metric} (mean over seeds)")
+        ax.set_yscale("log")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out / f"{folder.name}_curve.png", dpi=110)
+        plt.close(fig)
+    return summary
+
+
+def plot_connectivity(folders: list[str], out: Path, variant: str = "ancre_source") -> None:
+    """Plot ``W - W_residual`` (mean over seeds) of the routers in each sweep's final checkpoints.
+
+    Assumes one ``"source"``-mode router per model (the reproductions' set-up).
+    """
+    fig, axes = plt.subplots(1, len(folders), figsize=(5 * len(folders), 4.2), squeeze=False)
+    for ax, folder in zip(axes[0], folders, strict=True):
+        matrices = []
+        for ckpt in sorted(Path(folder).glob(f"runs/{variant}/seed_*/checkpoints/last.ckpt")):
+            state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+            prefix = next(k for k in state if k.endswith(".logits"))[: -len("logits")]
+            gate = state[prefix + "gate"]
+            router = ConnectivityRouter(gate.numel() + 1, mode="source")
+            router.load_state_dict(
+                {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            )
+            matrices.append(router.connectivity())
+            print(f"{folder} {ckpt.parts[-3]}: gate min {gate.min():.4f} max {gate.max():.4f}")
+        deviation = torch.stack(matrices).mean(0) - torch.eye(*matrices[0].shape)
+        limit = deviation.abs().max().item()
+        image = ax.imshow(deviation.numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit)
+        ax.set_title(
+            f"{Path(folder).name}: W - residual (mean of {len(matrices)} seeds)", fontsize=9
+        )
+        ax.set_xlabel("source state j")
+        ax.set_ylabel("block i")
+        fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(out / "connectivity.png", dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="seed 0, 300 steps, K=16")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--depth", type=int, default=32)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--threshold", type=float, default=0.01)
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument("--scale", type=float, default=3.0, help="A = scale * G / sqrt(d)")
+    parser.add_argument("--curves", nargs="*", default=None, help="sweep folders to read")
+    parser.add_argument("--metric", default="val/loss")
+    parser.add_argument(
+        "--connectivity", nargs="*", default=None, help="sweep folders: plot learned W - residual"
+    )
+    parser.add_argument(
+        "--curve-threshold", type=float, default=None, help="default: residual's final value"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if args.connectivity:
+        plot_connectivity(args.connectivity, args.out)
+        return
+    if args.curves:
+        results = run_curves(args)
+    else:
+        if args.quick:
+            args.depth, args.steps = 16, 300
+        seeds = [0] if args.quick else [0, 1, 2]
+        results = run_deep_linear(args, seeds)
+        for record in results:
+            record["curve"] = record["curve"][:: max(1, len(record["curve"]) // 200)]
+        results += run_overhead(rounds=3 if args.quick else 15)
+    (args.out / "ancre.json").write_text(json.dumps({"results": results}, indent=1))
+    print(f"\nelapsed {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

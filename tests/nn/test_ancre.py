@@ -1,0 +1,276 @@
+"""ANCReStack / ConnectivityRouter: identity at init, routing, hard export, memory, bad input."""
+
+import pytest
+import torch
+from torch import nn
+
+from ada_modules.nn import ANCReStack, ConnectivityRouter, MLPResNet, export_hard, find_routers
+
+ROUTED = ("source", "input", "denseformer")
+
+
+def _branches(depth: int = 6, width: int = 8) -> list[nn.Module]:
+    return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)]
+
+
+class _Residual(nn.Module):
+    """A block that adds its own input, like an HF decoder layer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + scale * torch.tanh(self.linear(x))
+
+
+def _plain(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = x + block(x)
+    return x
+
+
+@pytest.mark.parametrize(
+    ("mode", "options"),
+    [
+        (mode, options)
+        for mode in ROUTED
+        for options in ({}, {"per_channel": True, "num_channels": 8}, {"dilation": 2}, {"top_k": 2})
+        if not (mode == "denseformer" and "top_k" in options)  # top_k: softmax modes only
+    ],
+)
+def test_bitwise_identity_to_the_plain_residual_stack_at_init(seed, mode, options):
+    blocks = _branches()
+    x = torch.randn(3, 5, 8)
+    stack = ANCReStack(blocks, mode=mode, residual_in_block=False, **options)
+    assert torch.equal(stack(x), _plain(blocks, x))
+
+
+@pytest.mark.parametrize("mode", ROUTED)
+def test_identity_with_blocks_that_add_their_input_and_take_extra_arguments(seed, mode):
+    blocks = [_Residual(8) for _ in range(5)]
+    x = torch.randn(4, 8)
+    expected = x
+    for block in blocks:
+        expected = block(expected, scale=0.5)
+    assert torch.equal(ANCReStack(blocks, mode=mode)(x, scale=0.5), expected)
+
+
+def test_coefficients_get_gradients_once_the_gate_moves(seed):
+    stack = ANCReStack(_branches(), mode="source", residual_in_block=False)
+    x = torch.randn(4, 8)
+    stack(x).square().sum().backward()
+    assert stack.router.gate.grad.abs().sum() > 0
+    assert stack.router.logits.grad.abs().sum() == 0  # gate = 0: no logit gradient yet
+    with torch.no_grad():
+        stack.router.gate.fill_(0.5)
+    stack.zero_grad()
+    stack(x).square().sum().backward()
+    assert stack.router.logits.grad.abs().sum() > 0
+
+
+def test_source_routing_matches_the_formula(seed):
+    blocks = _branches(depth=3)
+    stack = ANCReStack(blocks, mode="source", residual_in_block=False, temperature=0.5)
+    with torch.no_grad():
+        stack.router.logits.copy_(torch.randn_like(stack.router.logits))
+        stack.router.gate.copy_(torch.tensor([0.7, 1.3]))
+    x = torch.randn(2, 8)
+    states = [x]
+    logits = stack.router.logits.detach()
+    rows = {1: logits[0:2], 2: logits[2:5]}
+    gates = {1: 0.7, 2: 1.3}
+    for i, block in enumerate(blocks):
+        out = states[-1] + block(states[-1])
+        if i in rows:
+            a = torch.softmax(rows[i] / 0.5, dim=0)
+            mix = sum(a[j] * states[j] for j in range(i + 1))
+            out = out + gates[i] * (mix - states[-1])
+        states.append(out)
+    torch.testing.assert_close(stack(x), states[-1])
+    matrix = stack.connectivity()
+    assert matrix.shape == (3, 4)
+    torch.testing.assert_close(matrix.sum(dim=1), torch.ones(3))
+
+
+def test_input_routing_mixes_block_inputs_and_the_output(seed):
+    blocks = _branches(depth=2)
+    stack = ANCReStack(blocks, mode="input", residual_in_block=False, gate=False)
+    with torch.no_grad():
+        stack.router.logits.copy_(torch.tensor([0.3, -0.2, 1.0, 0.0, 0.5]))
+    x = torch.randn(2, 8)
+    y1 = x + blocks[0](x)
+    a1 = torch.softmax(torch.tensor([0.3, -0.2]), dim=0)
+    h1 = a1[0] * x + a1[1] * y1
+    y2 = h1 + blocks[1](h1)
+    a2 = torch.softmax(torch.tensor([1.0, 0.0, 0.5]), dim=0)
+    expected = a2[0] * x + a2[1] * y1 + a2[2] * y2
+    torch.testing.assert_close(stack(x), expected)
+    assert stack.connectivity().shape == (3, 3)
+
+
+def test_rezero_starts_as_the_identity_map(seed):
+    stack = ANCReStack(_branches(), mode="rezero", residual_in_block=False)
+    x = torch.randn(2, 8)
+    assert torch.equal(stack(x), x)
+
+
+def test_gate_off_is_close_to_residual_with_a_large_previous_logit(seed):
+    blocks = _branches()
+    x = torch.randn(2, 8)
+    stack = ANCReStack(blocks, mode="source", residual_in_block=False, gate=False, prev_logit=20)
+    torch.testing.assert_close(stack(x), _plain(blocks, x))
+    far = ANCReStack(blocks, mode="source", residual_in_block=False, gate=False)
+    assert not torch.allclose(far(x), _plain(blocks, x))
+
+
+def test_dilation_and_top_k_restrict_the_sources(seed):
+    dilated = ConnectivityRouter(8, mode="source", dilation=3)
+    assert dilated._rows[7] == [1, 4, 7]
+    full = ConnectivityRouter(8, mode="source")
+    assert dilated.logits.numel() < full.logits.numel() == 8 * 9 // 2 - 1
+    stack = ANCReStack(_branches(), mode="source", residual_in_block=False, top_k=2)
+    with torch.no_grad():
+        stack.router.logits.copy_(torch.randn_like(stack.router.logits))
+        stack.router.gate.fill_(1.0)
+    matrix = stack.connectivity()
+    assert ((matrix.abs() > 0).sum(dim=1) <= 2).all()
+
+
+def test_temperature_annealing_is_geometric_and_counts_training_steps(seed):
+    stack = ANCReStack(
+        _branches(2),
+        residual_in_block=False,
+        temperature=1.0,
+        final_temperature=0.1,
+        anneal_steps=10,
+    )
+    x = torch.randn(2, 8)
+    for _ in range(5):
+        stack(x)
+    assert stack.router.current_temperature() == pytest.approx(0.1**0.5)
+    stack.eval()
+    stack(x)
+    assert int(stack.router.step) == 5
+    stack.train()
+    for _ in range(10):
+        stack(x)
+    assert stack.router.current_temperature() == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("mode", ["source", "input"])
+def test_export_hard_keeps_the_strongest_source(seed, mode):
+    blocks = _branches(depth=4)
+    stack = ANCReStack(blocks, mode=mode, residual_in_block=False, gate=False, temperature=0.01)
+    with torch.no_grad():  # near one-hot rows whose strongest source is the stack input
+        stack.router.logits.fill_(0.0)
+        for r in stack.router._rows:
+            stack.router.logits[stack.router._offsets[r]] = 1.0
+    x = torch.randn(3, 8)
+    soft = stack(x)
+    export_hard(stack)
+    assert stack.router.hard and not list(stack.router.parameters())
+    torch.testing.assert_close(stack(x), soft)
+    # and the hard stack is exactly the hand-written network with those shortcuts
+    states = [x]
+    for i, block in enumerate(blocks):
+        if mode == "source":
+            y = states[-1] + block(states[-1])  # B(x_i) + x_s - x_i, as the export computes it
+            states.append(y + (states[0] - states[-1]) if i else y)
+        else:
+            h = states[0]
+            states.append(h + block(h))
+    expected = states[-1] if mode == "source" else states[0]
+    assert torch.equal(stack(x), expected)
+
+
+def test_export_hard_at_init_is_the_residual_network(seed):
+    blocks = _branches()
+    x = torch.randn(2, 8)
+    stack = ANCReStack(blocks, mode="source", residual_in_block=False).export_hard()
+    assert torch.equal(stack(x), _plain(blocks, x))
+    assert torch.equal(stack.connectivity(), ConnectivityRouter(6, mode="residual").connectivity())
+    assert all(s is None for s in stack.router._states)  # no state kept after the pass
+
+
+def test_export_hard_rejects_modes_without_a_source_choice():
+    with pytest.raises(ValueError, match="export_hard"):
+        ANCReStack(_branches(2), mode="denseformer", residual_in_block=False).export_hard()
+
+
+def test_states_are_released_after_the_forward_pass_and_never_stacked(seed):
+    stack = ANCReStack(_branches(), mode="source", residual_in_block=False)
+    stack(torch.randn(2, 8))
+    assert stack.router._states == []
+    calls = []
+    original = torch.stack
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    torch.stack = spy
+    try:
+        stack(torch.randn(2, 8)).sum().backward()
+    finally:
+        torch.stack = original
+    assert not calls
+
+
+def test_no_weight_decay_names_the_coefficients_and_they_are_one_dimensional():
+    stack = ANCReStack(_branches(), mode="source", residual_in_block=False)
+    names = stack.no_weight_decay()
+    assert names == {"router.logits", "router.gate"}
+    params = dict(stack.named_parameters())
+    assert all(params[name].ndim == 1 for name in names)
+    assert {name for name, _ in find_routers(stack)} == {"router"}
+
+
+def test_parameter_overhead_is_quadratic_in_depth_only():
+    trunk = MLPResNet(64, depth=16, mode="source")
+    extra = sum(p.numel() for p in trunk.router.parameters())
+    assert extra == 16 * 17 // 2 - 1 + 15
+    blocks = sum(p.numel() for p in trunk.layers.parameters())
+    assert extra / blocks < 0.01
+
+
+def test_entropies_are_zero_for_one_hot_rows_and_positive_when_mixing(seed):
+    stack = ANCReStack(_branches(3), mode="source", residual_in_block=False)
+    assert torch.equal(stack.router.entropies(), torch.zeros(3))
+    with torch.no_grad():
+        stack.router.gate.fill_(0.5)
+    assert (stack.router.entropies()[1:] > 0).all()
+
+
+def test_a_block_that_changes_the_shape_is_named():
+    stack = ANCReStack([nn.Linear(4, 4), nn.Linear(4, 3)], residual_in_block=False)
+    with pytest.raises(ValueError, match="block 1 \\(Linear\\)"):
+        stack(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"final_temperature": 0.0, "anneal_steps": 5}, "final_temperature"),
+        ({"final_temperature": 0.1}, "anneal_steps"),
+        ({"dilation": 0}, "dilation"),
+        ({"top_k": 0}, "top_k"),
+        ({"mode": "dense"}, "mode"),
+        ({"per_channel": True}, "num_channels"),
+        ({"anneal_steps": -1}, "anneal_steps"),
+    ],
+)
+def test_bad_arguments_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ANCReStack(_branches(2), **kwargs)
+
+
+def test_empty_stacks_and_non_modules_are_rejected():
+    with pytest.raises(ValueError, match="blocks must not be empty"):
+        ANCReStack([])
+    with pytest.raises(TypeError, match="block 1"):
+        ANCReStack([nn.Identity(), "relu"])
+    with pytest.raises(ValueError, match="num_layers"):
+        ConnectivityRouter(0)

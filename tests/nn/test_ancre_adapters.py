@@ -1,0 +1,189 @@
+"""ANCRe adapters: identity at init on HF Llama/Qwen2, timm ViT/ResNet and diffusers DiT."""
+
+import copy
+
+import pytest
+import timm
+import torch
+from diffusers import DiTTransformer2DModel
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from ada_modules.nn import (
+    ConnectivityWrapper,
+    RoutedBlock,
+    export_hard,
+    find_routers,
+    wrap_diffusers_dit,
+    wrap_hf_decoder,
+    wrap_timm,
+)
+
+MODES = ("source", "input", "denseformer")
+OPTIONS = [{}, {"per_channel": True}, {"dilation": 2, "top_k": 2}]
+OPTION_IDS = ["per_layer", "per_channel", "dilation_top_k"]
+
+
+def _perturb(model: nn.Module) -> nn.Module:
+    """Random non-zero weights everywhere (zero-initialised gates would hide routing bugs)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
+
+
+def _llama(layers: int = 4) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return _perturb(LlamaForCausalLM(config))
+
+
+def _qwen2() -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return _perturb(Qwen2ForCausalLM(config))
+
+
+def _options(mode: str, options: dict) -> dict:
+    if mode == "denseformer":
+        return {k: v for k, v in options.items() if k != "top_k"}
+    return options
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("build", [_llama, _qwen2], ids=["llama", "qwen2"])
+def test_hf_decoder_is_unchanged_at_init(seed, build, mode, options):
+    model = build()
+    ids = torch.randint(0, 32, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    reference = model(input_ids=ids, attention_mask=mask).logits
+    wrapped = wrap_hf_decoder(copy.deepcopy(model), mode=mode, **_options(mode, options))
+    assert all(isinstance(layer, RoutedBlock) for layer in wrapped.model.layers)
+    assert torch.equal(wrapped(input_ids=ids, attention_mask=mask).logits, reference)
+
+
+def test_hf_generate_with_kv_cache_is_unchanged_and_routing_trains(seed):
+    model = _llama()
+    ids = torch.randint(3, 32, (2, 5))
+    expected = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    wrapped = ConnectivityWrapper(mode="source")(copy.deepcopy(model))
+    out = wrapped.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, expected)
+    wrapped.train()
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    router = wrapped.model.connectivity
+    assert router.gate.grad is not None and router.gate.grad.abs().sum() > 0
+
+
+def test_hf_overhead_is_below_one_percent_on_the_tiny_lm():
+    from ada_modules.models import CausalLMModule
+
+    module = CausalLMModule(
+        hidden_size=64,
+        num_layers=8,
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=256,
+        model_wrapper=ConnectivityWrapper(mode="source"),
+    )
+    extra = sum(p.numel() for _, r in find_routers(module) for p in r.parameters())
+    total = sum(p.numel() for p in module.parameters())
+    assert extra == 8 * 9 // 2 - 1 + 7
+    assert extra / (total - extra) < 0.01
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_timm_vit_is_unchanged_at_init(seed, mode, options):
+    vit = _perturb(
+        timm.models.VisionTransformer(
+            img_size=16, patch_size=8, embed_dim=16, depth=3, num_heads=2, num_classes=4
+        )
+    )
+    x = torch.randn(2, 3, 16, 16)
+    reference = vit(x)
+    wrapped = wrap_timm(copy.deepcopy(vit), mode=mode, **_options(mode, options))
+    assert torch.equal(wrapped(x), reference)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_timm_resnet_stages_are_unchanged_at_init(seed, mode, options):
+    resnet = _perturb(
+        timm.models.ResNet(
+            block=timm.models.resnet.BasicBlock,
+            layers=[2, 3, 1, 2],
+            num_classes=4,
+            stem_width=8,
+            channels=(8, 16, 24, 32),
+        )
+    )
+    x = torch.randn(2, 3, 32, 32)
+    reference = resnet(x)
+    wrapped = wrap_timm(copy.deepcopy(resnet), mode=mode, **_options(mode, options))
+    assert len(wrapped.connectivity) == 3  # stage 3 has a single block: left as it is
+    assert [r.num_layers for r in wrapped.connectivity] == [1, 2, 1]
+    assert torch.equal(wrapped(x), reference)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_diffusers_dit_is_unchanged_at_init(seed, mode, options):
+    dit = _perturb(
+        DiTTransformer2DModel(
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            num_layers=3,
+            sample_size=8,
+            norm_num_groups=4,
+            num_embeds_ada_norm=10,
+        )
+    )
+    x = torch.randn(2, 4, 8, 8)
+    kwargs = {"timestep": torch.tensor([1, 5]), "class_labels": torch.tensor([0, 3])}
+    reference = dit(x, **kwargs).sample
+    wrapped = wrap_diffusers_dit(copy.deepcopy(dit), mode=mode, **_options(mode, options))
+    assert torch.equal(wrapped(x, **kwargs).sample, reference)
+
+
+def test_hard_export_of_an_adapted_model_at_init_is_the_original(seed):
+    model = _llama()
+    ids = torch.randint(0, 32, (2, 6))
+    reference = model(input_ids=ids).logits
+    wrapped = export_hard(ConnectivityWrapper(mode="source")(copy.deepcopy(model)))
+    assert wrapped.model.connectivity.hard
+    assert torch.equal(wrapped(input_ids=ids).logits, reference)
+
+
+def test_residual_mode_leaves_the_model_untouched():
+    model = _llama(2)
+    assert ConnectivityWrapper(mode="residual")(model) is model
+    assert not list(find_routers(model))
+
+
+def test_adapters_reject_models_they_do_not_know():
+    with pytest.raises(TypeError, match="decoder"):
+        wrap_hf_decoder(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="ViT-like"):
+        wrap_timm(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="transformer_blocks"):
+        wrap_diffusers_dit(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="mode"):
+        ConnectivityWrapper(mode="dense")
+    with pytest.raises(ValueError, match="temperature"):
+        ConnectivityWrapper(temperature=0.0)(_llama(2))
