@@ -20,6 +20,18 @@ from ada_modules.kernels.int8_absmax import (
     quantize_int8_absmax,
     quantize_int8_absmax_reference,
 )
+from ada_modules.kernels.kv_quant import (
+    PackedTensor,
+    QuantizedKV,
+    decode_attention,
+    decode_attention_reference,
+    dequantize,
+    dequantize_reference,
+    quantize_keys,
+    quantize_keys_reference,
+    quantize_values,
+    quantize_values_reference,
+)
 
 __all__ = [
     "Impl",
@@ -30,4 +42,15 @@ __all__ = [
     "quantize_int8_absmax_reference",
     "resolve_impl",
     "triton_available",
+    # kv_quant
+    "PackedTensor",
+    "QuantizedKV",
+    "decode_attention",
+    "decode_attention_reference",
+    "dequantize",
+    "dequantize_reference",
+    "quantize_keys",
+    "quantize_keys_reference",
+    "quantize_values",
+    "quantize_values_reference",
 ]

@@ -1,0 +1,176 @@
+"""KIVI: a packed 2/3/4/8-bit KV cache with a full-precision residual window (the baseline).
+
+KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache")
+quantizes keys per channel over groups of tokens and values per token over groups of channels,
+keeping the most recent tokens at full precision. :class:`KIVICache` is a transformers ``Cache``
+made of one :class:`~ada_modules.kv.quantized_layer.QuantizedKVLayer` per decoder layer, so it goes
+straight into ``model.generate(..., cache=KIVICache(model.config, key_bits=2, value_bits=2))``.
+Bit widths may differ per layer and between keys and values (lists), which is what a mixed-
+precision allocation such as AdaKVQ needs; storage is really packed (int32 words), and
+:meth:`KIVICache.nbytes` reports the exact bytes held.
+
+Attention: with the model's usual ``attn_implementation`` (``"sdpa"``, ``"eager"``), each decode
+step dequantizes the layer's packed history for the attention call (a transient copy; the stored
+cache stays packed). With ``attn_implementation="quantized_kv"``
+(:func:`~ada_modules.kv.quantized_layer.quantized_kv_attention`), decode steps read the packed codes
+directly with the fused split-K kernel of :func:`~ada_modules.kernels.kv_quant.decode_attention`
+(Triton on CUDA, its torch reference elsewhere).
+
+Differences from transformers' ``QuantizedCache`` (quanto/HQQ backends): history is quantized once
+when its block leaves the residual window and never re-quantized; keys are grouped per channel
+(KIVI), not along the head dim; codes are packed by our own kernels
+(:mod:`ada_modules.kernels.kv_quant`), so no extra package is needed.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from transformers import Cache, PreTrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from ada_modules.kernels._dispatch import Impl
+from ada_modules.kv.quantized_layer import QuantizedKVLayer, check_bits
+
+__all__ = ["KIVICache", "per_layer_bits"]
+
+
+def per_layer_bits(name: str, bits: int | Sequence[int], num_layers: int) -> list[int]:
+    """Expand ``bits`` (one width for all layers, or one per layer) to a validated list.
+
+    Raises:
+        ValueError: If a width is unsupported or the list length is not ``num_layers``.
+
+    Examples:
+        >>> per_layer_bits("key_bits", 2, 3), per_layer_bits("key_bits", [2, 4], 2)
+        ([2, 2, 2], [2, 4])
+    """
+    if isinstance(bits, int) and not isinstance(bits, bool):
+        check_bits(name, bits)
+        return [bits] * num_layers
+    bits = list(bits)
+    if len(bits) != num_layers:
+        raise ValueError(
+            f"{name} must be one bit width or a list of one per layer ({num_layers}), got "
+            f"{len(bits)} values: {bits}"
+        )
+    for i, b in enumerate(bits):
+        check_bits(f"{name}[{i}]", b)
+    return bits
+
+
+def _head_dim(config: PreTrainedConfig) -> int | None:
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim is None and getattr(config, "num_attention_heads", None):
+        head_dim = config.hidden_size // config.num_attention_heads
+    return head_dim
+
+
+class KIVICache(Cache):
+    """Packed low-bit KV cache with a full-precision residual window, for ``generate``.
+
+    Args:
+        config: The model config (decoder layers, head dim). Every layer must be full attention.
+            When ``None``, ``num_layers`` (or per-layer bit lists) give the number of layers.
+        key_bits: Key bits, one of 2, 3, 4, 8: one for all layers or a list with one per layer.
+        value_bits: Value bits, likewise.
+        key_group_size: Tokens per key group (per-channel quantization), a power of two.
+        value_group_size: Channels per value group (per-token quantization), a power of two that
+            divides the head dim.
+        residual_length: Tokens kept at full precision (``R``); flushed blocks have this size. A
+            multiple of ``key_group_size``.
+        num_layers: Number of layers when no ``config`` is given.
+        impl: Kernel implementation (``"auto"``: Triton on CUDA tensors, torch otherwise).
+
+    Attributes:
+        layers: One :class:`~ada_modules.kv.quantized_layer.QuantizedKVLayer` per decoder layer;
+            ``layers[i].key_bits``/``value_bits`` are layer ``i``'s widths and
+            ``layers[i].block_bits`` the widths of each block it flushed.
+
+    Raises:
+        ValueError: If an argument is out of range (naming it), the config has non-full-attention
+            layers, or ``value_group_size`` does not divide the head dim.
+
+    Examples:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(vocab_size=32, hidden_size=64, num_hidden_layers=2,
+        ...                      num_attention_heads=2, num_key_value_heads=1,
+        ...                      intermediate_size=64)
+        >>> model = LlamaForCausalLM(config).eval()
+        >>> cache = KIVICache(config, key_bits=[2, 4], value_bits=2, residual_length=32)
+        >>> out = model.generate(torch.randint(0, 32, (2, 40)), max_new_tokens=3, do_sample=False,
+        ...                      cache=cache, pad_token_id=0)
+        >>> cache.get_seq_length(), [layer.key_bits for layer in cache.layers]
+        (42, [2, 4])
+        >>> cache.nbytes() < cache.fp_nbytes()
+        True
+    """
+
+    layer_class: type[QuantizedKVLayer] = QuantizedKVLayer
+    """The layer type built for each decoder layer (a subclass may swap in its own)."""
+
+    def __init__(
+        self,
+        config: PreTrainedConfig | None = None,
+        key_bits: int | list[int] = 2,
+        value_bits: int | list[int] = 2,
+        key_group_size: int = 32,
+        value_group_size: int = 32,
+        residual_length: int = 32,
+        num_layers: int | None = None,
+        impl: Impl = "auto",
+    ) -> None:
+        if config is not None:
+            config = config.get_text_config(decoder=True)
+            layer_types, _ = get_layer_types_and_kwargs(config)
+            unsupported = sorted(set(layer_types) - {"full_attention"})
+            if unsupported:
+                raise ValueError(
+                    f"KIVICache supports only full-attention layers, the config has {unsupported}"
+                )
+            if num_layers is not None and num_layers != len(layer_types):
+                raise ValueError(
+                    f"num_layers={num_layers} disagrees with the config's {len(layer_types)} layers"
+                )
+            num_layers = len(layer_types)
+            head_dim = _head_dim(config)
+            if head_dim is not None and (
+                not isinstance(value_group_size, int) or head_dim % value_group_size
+            ):
+                raise ValueError(
+                    f"value_group_size={value_group_size!r} must divide the head dim ({head_dim})"
+                )
+        elif num_layers is None:
+            for bits in (key_bits, value_bits):
+                if not isinstance(bits, int):
+                    num_layers = len(bits)
+                    break
+            else:
+                raise ValueError(
+                    "KIVICache needs a config, num_layers, or per-layer lists of bits to know the "
+                    "number of layers"
+                )
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+        kb = per_layer_bits("key_bits", key_bits, num_layers)
+        vb = per_layer_bits("value_bits", value_bits, num_layers)
+        layers = [
+            self.layer_class(
+                key_bits=k,
+                value_bits=v,
+                key_group_size=key_group_size,
+                value_group_size=value_group_size,
+                residual_length=residual_length,
+                impl=impl,
+            )
+            for k, v in zip(kb, vb, strict=True)
+        ]
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> int:
+        """Exact bytes held by all layers: codes + scales + zero points + residual windows."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def fp_nbytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of a full-precision cache (of ``dtype``, default the states' dtype) for the
+        same tokens."""
+        return sum(layer.fp_nbytes(dtype) for layer in self.layers)

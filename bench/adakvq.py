@@ -1,0 +1,221 @@
+"""KV-cache bytes per token and flush cost of the KIVI cache against FP16 and re-quantize-everything.
+
+What is compared (issue 3, part 7), all on CPU in one run, for the KV geometry of Llama-3.1-8B
+(32 layers, 8 key/value heads, head dim 128, fp16 states, batch 1):
+
+1. **Bytes per token** of the cache after ``T`` tokens, measured from the tensors a
+   :class:`~ada_modules.kv.quantized_layer.QuantizedKVLayer` really holds (packed int32 codes +
+   fp16 scales + fp16 zero points + the fp16 residual window), times 32 layers, against an FP16
+   cache (``2 · 8 · 128 · 2`` bytes per token per layer). Arms: FP16, KIVI-2, KIVI-3, KIVI-4 and
+   KIVI-8 (keys and values at the same bits; group 32, residual window 32 unless ``--group`` /
+   ``--residual`` say otherwise). The ratio column is arm / FP16. With ``T = 2000`` and
+   ``R = 32``, the last ``T mod R = 16`` tokens sit in the fp16 window and are counted.
+2. **Flush cost**: the time spent quantizing while ``T`` tokens stream into one layer, ``R`` at a
+   time (each append triggers exactly one flush, as token-by-token decoding does once every ``R``
+   steps). Ours quantizes only the block that leaves the window. The baseline, **"re-quantize
+   everything (ours, HF-style)"**, is our own re-implementation of the algorithm of transformers'
+   ``QuantizedLayer`` (used by ``QuantizedCache``): at every flush it dequantizes the whole
+   history, appends the window and quantizes all of it again — with *our* quantizer, grouping and
+   packing, so that only the algorithm differs. transformers' own ``QuantizedCache`` is not timed:
+   its backends need ``optimum-quanto`` or ``hqq``, which are not installed here. Columns: total
+   flush milliseconds, the ratio baseline / ours, and the relative error ``‖K − K̂‖ / ‖K‖`` of the
+   keys held at the end. With KIVI's grouping aligned to the flushed blocks, re-quantizing a
+   dequantized group reproduces its codes, so the two errors come out equal: the price of
+   re-quantizing everything here is time (O(T) per flush), not accuracy (HF's default grouping
+   along the head dim is another matter, not measured here).
+
+Timing: ``time.perf_counter`` around each flush, torch reference kernels (``impl="torch"``) on one
+thread; absolute times on a shared CPU mean little, the ratios in one run do. Keys are drawn with
+per-channel offsets and a slow drift (``N(0,1) + 4·sin(channel) + 0.002·t``) so that per-channel
+ranges differ between blocks, as post-RoPE keys do.
+
+Run it::
+
+    .venv/bin/python bench/adakvq.py            # T = 2000, ~40 s on 2 cores
+    .venv/bin/python bench/adakvq.py --quick    # T = 500, ~10 s
+
+Prints markdown tables and writes ``adakvq.json`` to ``--out``. Reports only; no assertion.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ada_modules.kernels.kv_quant import QuantizedKV, quantize_keys, quantize_values
+from ada_modules.kv.quantized_layer import QuantizedKVLayer
+
+LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
+ARMS: list[tuple[str, int | None]] = [
+    ("FP16", None),
+    ("KIVI-2", 2),
+    ("KIVI-3", 3),
+    ("KIVI-4", 4),
+    ("KIVI-8", 8),
+]
+
+
+class TimedLayer(QuantizedKVLayer):
+    """Our layer, with the time spent in each flush recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.flush_s: list[float] = []
+
+    def _flush(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        start = time.perf_counter()
+        super()._flush(keys, values)
+        self.flush_s.append(time.perf_counter() - start)
+
+
+class RequantizeEverythingLayer(TimedLayer):
+    """Baseline: at each flush, dequantize all history, append the window, quantize it all again.
+
+    The algorithm of transformers' ``QuantizedLayer.update`` (which quantizes
+    ``cat(dequantized history, residual, new)`` whenever the window fills), with our quantizer.
+    """
+
+    def _flush(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        start = time.perf_counter()
+        if self.segments:
+            hist_k, hist_v = self.dequantized_history()
+            keys = torch.cat([hist_k, keys], dim=-2)
+            values = torch.cat([hist_v, values], dim=-2)
+        self.segments = [
+            QuantizedKV(
+                quantize_keys(keys, self.key_bits, self.key_group_size, impl=self.impl),
+                quantize_values(values, self.value_bits, self.value_group_size, impl=self.impl),
+            )
+        ]
+        self.block_bits = [(self.key_bits, self.value_bits)] * (
+            keys.shape[-2] // self.residual_length
+        )
+        self.flush_s.append(time.perf_counter() - start)
+
+
+def make_states(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 keys (channel offsets + drift) and values ``(1, KV_HEADS, tokens, HEAD_DIM)``."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.arange(tokens, dtype=torch.float32)[:, None]
+    channel = torch.arange(HEAD_DIM, dtype=torch.float32)[None, :]
+    keys = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, generator=gen)
+    keys = keys + 4 * torch.sin(channel) + 0.002 * t
+    values = torch.randn(1, KV_HEADS, tokens, HEAD_DIM, generator=gen)
+    return keys.half(), values.half()
+
+
+def stream(layer: QuantizedKVLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Append the states ``residual_length`` tokens at a time."""
+    step = layer.residual_length
+    for start in range(0, keys.shape[-2], step):
+        layer.update(keys[..., start : start + step, :], values[..., start : start + step, :])
+
+
+def held_keys(layer: QuantizedKVLayer) -> torch.Tensor:
+    """All keys the layer holds, dequantized, in token order."""
+    hist_k, _ = layer.dequantized_history()
+    return torch.cat([hist_k, layer.keys], dim=-2)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="T = 500 tokens")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per cache (T)")
+    parser.add_argument("--group", type=int, default=32, help="key/value group size (G)")
+    parser.add_argument("--residual", type=int, default=32, help="residual window (R)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/adakvq"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    tokens = args.tokens or (500 if args.quick else 2000)
+    wall = time.perf_counter()
+    keys, values = make_states(tokens, args.seed)
+    fp16_per_token = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
+    results: list[dict[str, Any]] = []
+
+    print(f"\n## Bytes per token after T = {tokens} tokens (Llama-3.1-8B KV shapes, 32 layers)\n")
+    print(f"G = {args.group}, R = {args.residual}; bytes = codes + fp16 scales/zeros + residual\n")
+    print("| arm | bytes / token | ratio vs FP16 | bits / element (incl. metadata) |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, bits in ARMS:
+        if bits is None:
+            per_token = float(fp16_per_token)
+        else:
+            layer = QuantizedKVLayer(bits, bits, args.group, args.group, args.residual, "torch")
+            stream(layer, keys, values)
+            per_token = LAYERS * layer.nbytes() / tokens
+        ratio = per_token / fp16_per_token
+        bits_el = 8 * per_token / (LAYERS * 2 * KV_HEADS * HEAD_DIM)
+        print(f"| {name} | {per_token:,.0f} | {ratio:.4f} | {bits_el:.3f} |")
+        results.append(
+            {
+                "section": "bytes",
+                "arm": name,
+                "bits": bits,
+                "tokens": tokens,
+                "bytes_per_token": per_token,
+                "ratio_vs_fp16": ratio,
+                "bits_per_element": bits_el,
+            }
+        )
+
+    print(
+        f"\n## Flush cost while {tokens} tokens stream into one layer ({args.residual} at a time)\n"
+    )
+    print(
+        "| bits | ours: flush ms | re-quantize everything (ours, HF-style): flush ms | "
+        "ratio baseline / ours | key rel. error ours | key rel. error baseline |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, bits in ARMS:
+        if bits is None:
+            continue
+        ours = TimedLayer(bits, bits, args.group, args.group, args.residual, "torch")
+        base = RequantizeEverythingLayer(bits, bits, args.group, args.group, args.residual, "torch")
+        stream(ours, keys, values)
+        stream(base, keys, values)
+        ms_ours, ms_base = 1e3 * sum(ours.flush_s), 1e3 * sum(base.flush_s)
+        err_ours, err_base = rel_err(held_keys(ours), keys), rel_err(held_keys(base), keys)
+        assert ours.nbytes() == base.nbytes()  # same storage, only the algorithm differs
+        print(
+            f"| {bits} | {ms_ours:.1f} | {ms_base:.1f} | {ms_base / ms_ours:.1f}× | "
+            f"{err_ours:.4f} | {err_base:.4f} |"
+        )
+        results.append(
+            {
+                "section": "flush",
+                "arm": name,
+                "bits": bits,
+                "tokens": tokens,
+                "flushes": len(ours.flush_s),
+                "flush_ms_ours": ms_ours,
+                "flush_ms_requantize_everything": ms_base,
+                "ratio_baseline_over_ours": ms_base / ms_ours,
+                "key_rel_err_ours": err_ours,
+                "key_rel_err_requantize_everything": err_base,
+            }
+        )
+
+    elapsed = time.perf_counter() - wall
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "tokens": tokens,
+        "group": args.group,
+        "residual": args.residual,
+        "torch": torch.__version__,
+        "results": results,
+        "wall_s": elapsed,
+    }
+    (args.out / "adakvq.json").write_text(json.dumps(payload, indent=1))
+    print(f"\nwall time {elapsed:.1f} s; wrote {args.out}/adakvq.json")
+
+
+if __name__ == "__main__":
+    main()
