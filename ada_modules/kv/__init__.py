@@ -1,18 +1,63 @@
-"""KV caches for transformers' ``generate`` (``Cache`` subclasses: AdaKVQ, ADKV and their baselines)."""
+"""KV caches for transformers' ``generate`` (``Cache`` subclasses: AdaKVQ, ADKV and their baselines).
 
-from ada_modules.kv.kivi import KIVICache as KIVICache
-from ada_modules.kv.kivi import per_layer_bits as per_layer_bits
-from ada_modules.kv.quantized_layer import QUANTIZED_KV_ATTENTION as QUANTIZED_KV_ATTENTION
-from ada_modules.kv.quantized_layer import LazyDequantizedStates as LazyDequantizedStates
-from ada_modules.kv.quantized_layer import QuantizedKVLayer as QuantizedKVLayer
-from ada_modules.kv.quantized_layer import quantized_kv_attention as quantized_kv_attention
-from ada_modules.kv.aad import NORMALIZATIONS as NORMALIZATIONS
-from ada_modules.kv.aad import AADAccumulator as AADAccumulator
-from ada_modules.kv.aad import AADProfile as AADProfile
-from ada_modules.kv.aad import average_attention_distance as average_attention_distance
-from ada_modules.kv.bit_allocation import ALLOCATION_METHODS as ALLOCATION_METHODS
-from ada_modules.kv.bit_allocation import SUPPORTED_BITS as SUPPORTED_BITS
-from ada_modules.kv.bit_allocation import BitAllocation as BitAllocation
-from ada_modules.kv.bit_allocation import allocate_bits as allocate_bits
-from ada_modules.kv.bit_allocation import bits_per_element as bits_per_element
-from ada_modules.kv.bit_allocation import solve_allocation as solve_allocation
+- :class:`KIVICache` (uniform packed 2/3/4/8-bit keys and values, full-precision residual window)
+  and its layer :class:`QuantizedKVLayer`; importing this package registers the attention function
+  ``"quantized_kv"`` (:data:`QUANTIZED_KV_ATTENTION`) with transformers, which decodes straight
+  from the packed codes,
+- :class:`AdaKVQCache` (per-layer bit widths from an AAD profile, per-block dynamic widths),
+- :func:`average_attention_distance` and :class:`AADProfile` (how far each layer attends),
+- :func:`allocate_bits` and :class:`BitAllocation` (bit widths under an average-bit budget).
+"""
+
+from ada_modules.kv.aad import (
+    NORMALIZATIONS,
+    AADAccumulator,
+    AADProfile,
+    average_attention_distance,
+)
+from ada_modules.kv.adakvq import (
+    DEMAND_NORMALIZATIONS,
+    DEMAND_SOURCES,
+    AdaKVQCache,
+    AdaKVQLayer,
+    block_bits_per_element,
+)
+from ada_modules.kv.bit_allocation import (
+    ALLOCATION_METHODS,
+    SUPPORTED_BITS,
+    BitAllocation,
+    allocate_bits,
+    bits_per_element,
+    solve_allocation,
+)
+from ada_modules.kv.kivi import KIVICache, per_layer_bits
+from ada_modules.kv.quantized_layer import (
+    QUANTIZED_KV_ATTENTION,
+    LazyDequantizedStates,
+    QuantizedKVLayer,
+    quantized_kv_attention,
+)
+
+__all__ = [
+    "ALLOCATION_METHODS",
+    "DEMAND_NORMALIZATIONS",
+    "DEMAND_SOURCES",
+    "NORMALIZATIONS",
+    "QUANTIZED_KV_ATTENTION",
+    "SUPPORTED_BITS",
+    "AADAccumulator",
+    "AADProfile",
+    "AdaKVQCache",
+    "AdaKVQLayer",
+    "BitAllocation",
+    "KIVICache",
+    "LazyDequantizedStates",
+    "QuantizedKVLayer",
+    "allocate_bits",
+    "average_attention_distance",
+    "bits_per_element",
+    "block_bits_per_element",
+    "per_layer_bits",
+    "quantized_kv_attention",
+    "solve_allocation",
+]
