@@ -79,6 +79,9 @@ class AcceleGradSharp(Optimizer):
         geometry: ``"sharp"``, ``"mirror"`` or ``"lmo"`` (clipped LMO).
         norm: A name in :data:`~ada_modules.optim.lmo.NORM_NAMES`, a
             :class:`~ada_modules.optim.lmo.Norm`, or ``None`` for the automatic norm per tensor.
+        norm_kwargs: Options of the named norm (e.g. ``{"transpose": True}`` for ``"colnorm"``);
+            a name and a dict keep the optimizer's state dict plain data, which checkpoints
+            loaded with ``weights_only=True`` need.
         radius: ``rho``, the clip of the dual norm in the ``"lmo"`` geometry (``None``: no clip).
         g0: ``G0 > 0``, initial value of the scalar accumulator.
         eps: Denominator guard of the per-coordinate accumulator.
@@ -119,6 +122,7 @@ class AcceleGradSharp(Optimizer):
         anchor: Literal["scalar", "diagonal"] = "diagonal",
         geometry: Literal["sharp", "mirror", "lmo"] = "lmo",
         norm: str | _lmo.Norm | None = None,
+        norm_kwargs: dict[str, Any] | None = None,
         radius: float | None = 1.0,
         g0: float = 1e-8,
         eps: float = 1e-8,
@@ -132,6 +136,7 @@ class AcceleGradSharp(Optimizer):
             "anchor": anchor,
             "geometry": geometry,
             "norm": norm,
+            "norm_kwargs": norm_kwargs,
             "radius": radius,
             "g0": g0,
             "eps": eps,
@@ -154,7 +159,7 @@ class AcceleGradSharp(Optimizer):
                     f"{_name(group, i)}"
                 )
             try:
-                _resolve_norm(group["norm"], p).check(p)
+                _resolve_norm(group, p).check(p)
             except ValueError as err:
                 raise ValueError(f"{_name(group, i)}: {err}") from None
 
@@ -250,7 +255,7 @@ class AcceleGradSharp(Optimizer):
         if anchor == "scalar" or geometry != "mirror":
             duals: list[Tensor] = []
             for p, g in zip(params, grads, strict=True):
-                norm = _resolve_norm(group["norm"], p)
+                norm = _resolve_norm(group, p)
                 if isinstance(norm, _lmo.Euclidean) and geometry == "sharp":
                     duals.append(torch.linalg.vector_norm(g))
                     dirs.append(g)
@@ -330,10 +335,13 @@ def _name(group: dict[str, Any], i: int) -> str:
     return f"parameter {names[i]!r} {shape}" if names else f"parameter #{i} {shape}"
 
 
-def _resolve_norm(norm: str | _lmo.Norm | None, p: Tensor) -> _lmo.Norm:
+def _resolve_norm(group: dict[str, Any], p: Tensor) -> _lmo.Norm:
+    norm = group["norm"]
     if isinstance(norm, _lmo.Norm):
         return norm
-    return _lmo.get_norm(_lmo.auto_norm(p) if norm is None else norm)
+    if norm is None:
+        return _lmo.get_norm(_lmo.auto_norm(p))
+    return _lmo.get_norm(norm, **(group["norm_kwargs"] or {}))
 
 
 def _validate(group: dict[str, Any]) -> None:
@@ -358,6 +366,11 @@ def _validate(group: dict[str, Any]) -> None:
     norm = group["norm"]
     if not (norm is None or isinstance(norm, _lmo.Norm) or norm in _lmo.NORM_NAMES):
         raise ValueError(f"unknown norm {norm!r}; allowed: None, {', '.join(_lmo.NORM_NAMES)}")
+    norm_kwargs = group["norm_kwargs"]
+    if norm_kwargs is not None and not isinstance(norm_kwargs, dict):
+        raise TypeError(f"norm_kwargs must be a dict or None, got {norm_kwargs!r}")
+    if norm_kwargs and not isinstance(norm, str):
+        raise ValueError(f"norm_kwargs {norm_kwargs!r} needs a norm name, got norm={norm!r}")
 
 
 # Elementwise kernels: one torch._foreach_* call per list, or a loop of the same per-tensor ops.

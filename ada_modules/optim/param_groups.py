@@ -11,11 +11,12 @@ from typing import Any, Literal
 
 from torch import nn
 
-from ada_modules.optim.lmo import NORM_NAMES, Norm, get_norm
+from ada_modules.optim.lmo import NORM_NAMES, Norm
 
 __all__ = [
     "DEFAULT_HEAD_NAMES",
     "DEFAULT_ROLE_NORMS",
+    "DEFAULT_ROLE_NORM_KWARGS",
     "ROLES",
     "Role",
     "geometry_param_groups",
@@ -33,6 +34,8 @@ DEFAULT_ROLE_NORMS: dict[Role, str] = {
     "head": "sign",
 }
 """Norm per role (embeddings use ``colnorm`` transposed: one column per token)."""
+DEFAULT_ROLE_NORM_KWARGS: dict[Role, dict[str, Any]] = {"embedding": {"transpose": True}}
+"""Options of the default norms (``norm_kwargs`` of the group)."""
 DEFAULT_HEAD_NAMES: tuple[str, ...] = ("lm_head", "head", "classifier", "output", "fc_out")
 """Module names (last component) recognised as the output head."""
 
@@ -50,7 +53,8 @@ def geometry_param_groups(
 
     Roles, decided per trainable parameter (shared parameters once):
 
-    - ``"embedding"``: weights of :class:`~torch.nn.Embedding` → ``colnorm`` with ``transpose=True``
+    - ``"embedding"``: weights of :class:`~torch.nn.Embedding` → ``colnorm`` with
+      ``norm_kwargs={"transpose": True}``
       (the weight is ``(vocab, dim)``: each token's vector is one column of the linear map);
     - ``"head"``: the weight of the output head → ``sign``. The head is the module named ``head``
       if given, else the last module whose name ends in one of ``head_names`` and has a 2-D
@@ -69,7 +73,8 @@ def geometry_param_groups(
 
     Returns:
         Non-empty groups in the order of :data:`ROLES`, each with ``params``, ``param_names``,
-        ``norm``, ``role`` and ``radius`` when given in ``radii``.
+        ``norm`` (a name, so that optimizer state dicts stay plain data), ``norm_kwargs`` (the
+        default norm's options, else ``None``), ``role`` and ``radius`` when given in ``radii``.
 
     Raises:
         ValueError: If ``head`` names no module, a role or norm name is unknown, or
@@ -87,22 +92,21 @@ def geometry_param_groups(
         >>> groups = geometry_param_groups(TinyLM(), radii={"head": 50.0})
         >>> [(g["role"], len(g["params"])) for g in groups]
         [('embedding', 1), ('hidden', 4), ('vector', 8), ('head', 1)]
-        >>> groups[0]["norm"], groups[-1]["norm"], groups[-1]["radius"]
-        (ColNorm(normalized=False, transpose=True), 'sign', 50.0)
+        >>> groups[0]["norm"], groups[0]["norm_kwargs"], groups[-1]["norm"], groups[-1]["radius"]
+        ('colnorm', {'transpose': True}, 'sign', 50.0)
         >>> opt = AcceleGradSharp(groups, lr=0.01)
     """
-    for key in ("params", "norm", "param_names", "role"):
+    for key in ("params", "norm", "norm_kwargs", "param_names", "role"):
         if key in overrides:
             raise ValueError(f"overrides must not set {key!r}; it is decided per role")
-    role_norms: dict[Role, str | Norm] = {
-        **DEFAULT_ROLE_NORMS,
-        "embedding": get_norm("colnorm", transpose=True),
-    }
+    role_norms: dict[Role, str | Norm] = dict(DEFAULT_ROLE_NORMS)
+    role_kwargs: dict[Role, dict[str, Any] | None] = dict(DEFAULT_ROLE_NORM_KWARGS)
     for role, norm in (norms or {}).items():
         _check_role(role)
         if not isinstance(norm, Norm) and norm not in NORM_NAMES:
             raise ValueError(f"unknown norm {norm!r} for role {role!r}; allowed: {NORM_NAMES}")
         role_norms[role] = norm
+        role_kwargs[role] = None
     for role in radii or {}:
         _check_role(role)
 
@@ -126,6 +130,7 @@ def geometry_param_groups(
             "params": [p for _, p in buckets[role]],
             "param_names": [n for n, _ in buckets[role]],
             "norm": role_norms[role],
+            "norm_kwargs": role_kwargs.get(role),
             "role": role,
             **overrides,
         }

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from ada_modules.optim.accelegrad_sharp import AcceleGradSharp
-from ada_modules.optim.lmo import ColNorm
 from ada_modules.optim.param_groups import geometry_param_groups
+from ada_modules.optim.scion import Scion
 
 
 class TinyLM(nn.Module):
@@ -45,7 +45,9 @@ def test_transformer_roles() -> None:
     model = TinyLM()
     groups = geometry_param_groups(model, radii={"head": 50.0, "hidden": 3.0}, lr=0.01)
     norms = _norm_of(groups)
-    assert isinstance(norms["embed.weight"], ColNorm) and norms["embed.weight"].transpose
+    assert norms["embed.weight"] == "colnorm"
+    by_role = {g["role"]: g for g in groups}
+    assert by_role["embedding"]["norm_kwargs"] == {"transpose": True}
     assert norms["lm_head.weight"] == "sign"
     for name in ("block.self_attn.in_proj_weight", "block.self_attn.out_proj.weight"):
         assert norms[name] == "spectral"
@@ -118,3 +120,18 @@ def test_frozen_parameters_left_out() -> None:
 def test_bad_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         geometry_param_groups(_cnn(), **kwargs)
+
+
+@pytest.mark.parametrize("optimizer", [AcceleGradSharp, Scion])
+def test_state_dict_of_geometry_groups_loads_with_weights_only(optimizer, tmp_path) -> None:
+    # Lightning checkpoints are loaded with weights_only=True: the groups must be plain data.
+    model = TinyLM()
+    opt = optimizer(geometry_param_groups(model), lr=0.01)
+    model(torch.randint(0, 30, (2, 5))).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    state = torch.load(tmp_path / "opt.pt", weights_only=True)
+    embedding = next(g for g in state["param_groups"] if g["role"] == "embedding")
+    assert (embedding["norm"], embedding["norm_kwargs"]) == ("colnorm", {"transpose": True})
+    fresh = optimizer(geometry_param_groups(model), lr=0.01)
+    fresh.load_state_dict(state)
