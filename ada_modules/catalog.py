@@ -67,7 +67,7 @@ TECHNIQUES: tuple[Technique, ...] = (
        issue=4),
     _T("AcceleGrad#", "accelegrad_sharp", "Optimizer",
        "Accelerated linear coupling of an adaptive anchor with a per-layer geometry step.",
-       status="in progress", issue=5),
+       status="implemented", issue=5),
     _T("AVSD", "avsd", "Self-distillation loss + LightningModule",
        "On-policy self-distillation from several privileged teacher views, gated per token."),
     _T("ASAP", "asap", "Federated-learning simulation + attack",
