@@ -525,8 +525,13 @@ class AdaKVQCache(KIVICache):
         """
         if isinstance(profile, str | Path):
             profile = AADProfile.from_json(profile)
+        head_dim = None
         if config is not None:
-            num_layers = len(get_layer_types_and_kwargs(config.get_text_config(decoder=True))[0])
+            text_config = config.get_text_config(decoder=True)
+            num_layers = len(get_layer_types_and_kwargs(text_config)[0])
+            head_dim = getattr(text_config, "head_dim", None) or (
+                text_config.hidden_size // text_config.num_attention_heads
+            )
         allocation = allocate_bits(
             profile,
             budget,
@@ -534,6 +539,7 @@ class AdaKVQCache(KIVICache):
             bit_widths=bit_widths,
             num_layers=num_layers,
             group_size=group_size,
+            head_dim=head_dim,
         )
         return cls(config, allocation, num_layers=num_layers, **kwargs)
 

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ada_modules.kernels.kv_quant import packed_words
 from ada_modules.kv.aad import AADProfile
 
 __all__ = [
@@ -68,6 +69,7 @@ def bits_per_element(
     residual_length: int = 0,
     seq_len: int | None = None,
     fp_bits: int = 16,
+    head_dim: int | None = None,
 ) -> float:
     """Stored bits per cached element at ``bits`` bits, metadata amortised over the group.
 
@@ -78,6 +80,9 @@ def bits_per_element(
         residual_length: Tokens kept in full precision (``R``); counted only with ``seq_len``.
         seq_len: Cache length ``T`` to budget for; ``None`` leaves the residual window out.
         fp_bits: Bits per element of the residual window.
+        head_dim: Channels per head; when given, the code bits are what packing into int32
+            words really takes (3-bit codes of 16 channels fill two words, i.e. 4 bits each);
+            ``None`` counts exactly ``bits``.
 
     Raises:
         ValueError: If an argument is out of range, naming it.
@@ -87,6 +92,8 @@ def bits_per_element(
         3.0
         >>> bits_per_element(2, group_size=32, residual_length=32, seq_len=1024)
         3.40625
+        >>> bits_per_element(3, group_size=16, head_dim=16)  # 2 words for 16 codes, + 32/16
+        6.0
     """
     _check_bits([bits], "bits")
     for name, value, low in (
@@ -97,7 +104,12 @@ def bits_per_element(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    quantized = bits + metadata_bits / group_size
+    code_bits: float = bits
+    if head_dim is not None:
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim must be an integer >= 1, got {head_dim!r}")
+        code_bits = packed_words(head_dim, bits) * 32 / head_dim
+    quantized = code_bits + metadata_bits / group_size
     if seq_len is None:
         return quantized
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < residual_length:
@@ -232,6 +244,7 @@ class BitAllocation:
         importance: The per-layer weights ``w_l`` used (empty for ``"uniform"``).
         residual_length: ``R`` counted in the budget (with ``seq_len``).
         seq_len: Cache length the budget was computed for (``None``: residual excluded).
+        head_dim: Channels per head the packing cost was computed for (``None``: exact bits).
 
     Examples:
         >>> alloc = BitAllocation.uniform(num_layers=2, bits=4)
@@ -250,6 +263,7 @@ class BitAllocation:
     importance: list[float] = field(default_factory=list)
     residual_length: int = 0
     seq_len: int | None = None
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         _check_bits(self.key_bits, "key_bits")
@@ -278,7 +292,12 @@ class BitAllocation:
         """Mean stored bits per element over all key and value slots, metadata included."""
         per_slot = [
             bits_per_element(
-                b, self.group_size, self.metadata_bits, self.residual_length, self.seq_len
+                b,
+                self.group_size,
+                self.metadata_bits,
+                self.residual_length,
+                self.seq_len,
+                head_dim=self.head_dim,
             )
             for b in self.key_bits + self.value_bits
         ]
@@ -342,6 +361,7 @@ def allocate_bits(
     metadata_bits: int = 32,
     residual_length: int = 0,
     seq_len: int | None = None,
+    head_dim: int | None = None,
     seed: int = 0,
 ) -> BitAllocation:
     """Per-layer key and value bit widths minimising AAD-weighted distortion under a budget.
@@ -365,6 +385,8 @@ def allocate_bits(
         metadata_bits: Metadata bits per group.
         residual_length: Full-precision tokens ``R``, counted only with ``seq_len``.
         seq_len: Cache length to budget for (``None``: residual excluded).
+        head_dim: Channels per head, to cost each width as packed (see
+            :func:`bits_per_element`); ``None`` costs exactly ``bits``.
         seed: Seed of the ``"random"`` baseline's permutation.
 
     Returns:
@@ -398,7 +420,8 @@ def allocate_bits(
         )
     widths = sorted(set(bit_widths))
     costs = [
-        bits_per_element(b, group_size, metadata_bits, residual_length, seq_len) for b in widths
+        bits_per_element(b, group_size, metadata_bits, residual_length, seq_len, head_dim=head_dim)
+        for b in widths
     ]
     if budget < costs[0] - 1e-12:
         raise ValueError(
@@ -444,4 +467,5 @@ def allocate_bits(
         importance=importance,
         residual_length=residual_length if seq_len is not None else 0,
         seq_len=seq_len,
+        head_dim=head_dim,
     )

@@ -314,7 +314,10 @@ def test_allocation_json_round_trip_into_the_cache(tmp_path):
     profile_cache = AdaKVQCache.from_profile(
         model.config, [0.05, 0.1, 0.6, 0.4], budget=5.0, group_size=16, residual_length=16
     )
-    assert profile_cache.allocation == allocation
+    # from_profile costs the widths as packed at the model's head dim.
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    packed = allocate_bits([0.05, 0.1, 0.6, 0.4], budget=5.0, group_size=16, head_dim=head_dim)
+    assert profile_cache.allocation == packed and packed.head_dim == head_dim
     # An AAD profile JSON (per-layer mean of the normalised AAD over heads and positions).
     naad = torch.tensor([0.05, 0.1, 0.6, 0.4])[:, None, None].expand(4, 2, 3).clone()
     profile = AADProfile(aad=naad * 10, naad=naad, counts=torch.ones(3))
@@ -326,8 +329,8 @@ def test_allocation_json_round_trip_into_the_cache(tmp_path):
         group_size=16,
         residual_length=16,
     )
-    assert from_json.allocation.key_bits == allocation.key_bits
-    assert from_json.allocation.value_bits == allocation.value_bits
+    assert from_json.allocation.key_bits == packed.key_bits
+    assert from_json.allocation.value_bits == packed.value_bits
 
 
 def test_causal_lm_module_takes_adakvq_from_yaml_with_a_lazy_allocation_path(tmp_path):

@@ -174,3 +174,21 @@ def test_bad_input_raises_naming_the_value():
         BitAllocation.uniform(2, 4).check_num_layers(3)
     with pytest.raises(ValueError, match="budget"):
         solve_allocation([[1.0, 0.5]], costs=[2, 3], budget=1.0)
+
+
+def test_head_dim_costs_widths_as_packed():
+    # 16 channels: 2 bits fill one int32 word, 3 bits two words (a 2-bit and a 1-bit plane), 4 bits
+    # two words: so 3 bits store as much as 4 and an allocator that knows it never picks 3.
+    assert bits_per_element(2, group_size=16, head_dim=16) == 2 + 2
+    assert bits_per_element(3, group_size=16, head_dim=16) == 4 + 2
+    assert bits_per_element(4, group_size=16, head_dim=16) == 4 + 2
+    assert bits_per_element(3, group_size=32, head_dim=128) == bits_per_element(3, group_size=32)
+    aad = [0.1, 0.3, 0.5, 0.7]
+    naive = allocate_bits(aad, budget=5.0, group_size=16)
+    packed = allocate_bits(aad, budget=5.0, group_size=16, head_dim=16)
+    assert 3 in naive.key_bits + naive.value_bits
+    assert 3 not in packed.key_bits + packed.value_bits
+    assert packed.average_bits() <= 5.0
+    assert BitAllocation.from_dict(packed.to_dict()) == packed
+    with pytest.raises(ValueError, match="head_dim"):
+        bits_per_element(2, head_dim=0)
