@@ -23,7 +23,7 @@ from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.optim.chain import OptimizerChain
 from ada_modules.optim.param_groups import ROLES, geometry_param_groups, split_param_groups
 
-__all__ = ["CausalLMModule"]
+__all__ = ["CausalLMModule", "build_causal_lm"]
 
 ARCHITECTURES: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -31,6 +31,48 @@ ARCHITECTURES: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] =
 }
 """Model families built from a config: name -> (config class, model class)."""
 _EVAL_METRICS = ("loss", "exact_match", "gen_length", "tokens_per_s")
+
+
+def build_causal_lm(
+    tokenizer: CharTokenizer,
+    architecture: str = "llama",
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 4096,
+    config_overrides: dict[str, Any] | None = None,
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """A randomly initialised Hugging Face causal LM of ``architecture`` for ``tokenizer``'s ids.
+
+    The config gets the tokenizer's vocabulary size and pad/bos/eos ids, then
+    ``config_overrides`` (any config keyword) and ``attn_implementation`` when given.
+
+    Examples:
+        >>> model = build_causal_lm(CharTokenizer(), "qwen2", hidden_size=32, num_layers=1,
+        ...                         num_heads=2, num_kv_heads=1, intermediate_size=64)
+        >>> type(model).__name__, model.config.vocab_size == CharTokenizer().vocab_size
+        ('Qwen2ForCausalLM', True)
+    """
+    config_class, model_class = ARCHITECTURES[architecture]
+    config_kwargs: dict[str, Any] = {
+        "vocab_size": tokenizer.vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "pad_token_id": tokenizer.pad_id,
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+    }
+    config_kwargs.update(config_overrides or {})
+    if attn_implementation is not None:
+        config_kwargs["attn_implementation"] = attn_implementation
+    return model_class(config_class(**config_kwargs))
 
 
 class CausalLMModule(LightningModule):
@@ -174,23 +216,18 @@ class CausalLMModule(LightningModule):
             ]
         )
         self.tokenizer = CharTokenizer()
-        config_class, model_class = ARCHITECTURES[architecture]
-        config_kwargs: dict[str, Any] = {
-            "vocab_size": self.tokenizer.vocab_size,
-            "hidden_size": hidden_size,
-            "num_hidden_layers": num_layers,
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": num_kv_heads,
-            "intermediate_size": intermediate_size,
-            "max_position_embeddings": max_position_embeddings,
-            "pad_token_id": self.tokenizer.pad_id,
-            "bos_token_id": self.tokenizer.bos_id,
-            "eos_token_id": self.tokenizer.eos_id,
-        }
-        config_kwargs.update(config_overrides or {})
-        if attn_implementation is not None:
-            config_kwargs["attn_implementation"] = attn_implementation
-        self.model = model_class(config_class(**config_kwargs))
+        self.model = build_causal_lm(
+            self.tokenizer,
+            architecture,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            intermediate_size,
+            max_position_embeddings,
+            config_overrides,
+            attn_implementation,
+        )
         if model_wrapper is not None:
             model_wrapper(self.model)
         generation_config = self.model.generation_config

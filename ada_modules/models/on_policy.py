@@ -13,7 +13,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 
 from ada_modules.data.tokenizer import CharTokenizer
-from ada_modules.models.causal_lm import ARCHITECTURES
+from ada_modules.models.causal_lm import ARCHITECTURES, build_causal_lm
 from ada_modules.posttrain.advantages import ADVANTAGE_ESTIMATORS, RolloutStats, clip_cov_mask
 from ada_modules.posttrain.envs.base import TextEnv, Transcript
 
@@ -246,21 +246,17 @@ class OnPolicyModule(LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.automatic_optimization = False
         self.tokenizer = CharTokenizer()
-        config_class, model_class = ARCHITECTURES[architecture]
-        config_kwargs: dict[str, Any] = {
-            "vocab_size": self.tokenizer.vocab_size,
-            "hidden_size": hidden_size,
-            "num_hidden_layers": num_layers,
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": num_kv_heads,
-            "intermediate_size": intermediate_size,
-            "max_position_embeddings": max_position_embeddings,
-            "pad_token_id": self.tokenizer.pad_id,
-            "bos_token_id": self.tokenizer.bos_id,
-            "eos_token_id": self.tokenizer.eos_id,
-        }
-        config_kwargs.update(config_overrides or {})
-        self.model = model_class(config_class(**config_kwargs))
+        self.model = build_causal_lm(
+            self.tokenizer,
+            architecture,
+            hidden_size,
+            num_layers,
+            num_heads,
+            num_kv_heads,
+            intermediate_size,
+            max_position_embeddings,
+            config_overrides,
+        )
         self.group_size = group_size
         self.temperature = temperature
         self.advantage = advantage
