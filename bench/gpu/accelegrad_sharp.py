@@ -58,11 +58,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from _common import Guard, sync  # bench/gpu/_common.py
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -118,35 +119,9 @@ QUICK = Sizes(
 )
 
 
-@dataclass
-class Guard:
-    """Global time budget: sections and rows ask it before starting."""
-
-    budget_s: float
-    start: float = field(default_factory=time.perf_counter)
-    skipped: list[str] = field(default_factory=list)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def ok(self, what: str, need_s: float) -> bool:
-        """Whether ``need_s`` seconds are left for ``what``; records it as skipped otherwise."""
-        if self.budget_s - self.elapsed() >= need_s:
-            return True
-        self.skipped.append(what)
-        print(f"[time guard] skipped {what} ({self.elapsed():.0f} s of {self.budget_s:.0f} s used)")
-        return False
-
-
 # ----------------------------------------------------------------------------------------------
 # Timing and memory
 # ----------------------------------------------------------------------------------------------
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued work on ``device``."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_ms(

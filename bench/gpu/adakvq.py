@@ -52,12 +52,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import Guard, sync  # bench/gpu/_common.py
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from ada_modules.kernels.kv_quant import (
@@ -138,31 +139,6 @@ QUICK = Sizes(
     new_tokens=8,
 )
 GROUP, RESIDUAL_TOKENS = 32, 17
-
-
-@dataclass
-class Guard:
-    """Global time budget: sections and rows ask it before starting."""
-
-    budget_s: float
-    start: float = field(default_factory=time.perf_counter)
-    skipped: list[str] = field(default_factory=list)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def ok(self, what: str, need_s: float) -> bool:
-        """Whether ``need_s`` seconds are left for ``what``; records it as skipped otherwise."""
-        if self.budget_s - self.elapsed() >= need_s:
-            return True
-        self.skipped.append(what)
-        print(f"[time guard] skipped {what} ({self.elapsed():.0f} s of {self.budget_s:.0f} s used)")
-        return False
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_ms(fn: Callable[[], Any], device: torch.device) -> float:
