@@ -21,7 +21,7 @@ from transformers import (
 
 from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.optim.chain import OptimizerChain
-from ada_modules.optim.param_groups import ROLES, geometry_param_groups, split_param_groups
+from ada_modules.optim.param_groups import check_radii, geometry_param_groups, split_param_groups
 
 __all__ = ["CausalLMModule", "build_causal_lm"]
 
@@ -176,11 +176,7 @@ class CausalLMModule(LightningModule):
             )
         if radii is not None and param_groups != "geometry":
             raise ValueError("radii needs param_groups='geometry'")
-        for role, radius in (radii or {}).items():
-            if role not in ROLES:
-                raise ValueError(f"unknown role {role!r} in radii; allowed: {', '.join(ROLES)}")
-            if isinstance(radius, bool) or not isinstance(radius, int | float) or radius <= 0:
-                raise ValueError(f"radii[{role!r}] must be a positive number, got {radius!r}")
+        check_radii(radii)
         if architecture not in ARCHITECTURES:
             raise ValueError(
                 f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}"

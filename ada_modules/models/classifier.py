@@ -13,7 +13,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ada_modules.optim.chain import OptimizerChain
-from ada_modules.optim.param_groups import ROLES, geometry_param_groups, split_param_groups
+from ada_modules.optim.param_groups import check_radii, geometry_param_groups, split_param_groups
 
 __all__ = ["ImageClassifierModule"]
 
@@ -125,11 +125,7 @@ class ImageClassifierModule(LightningModule):
             raise ValueError(f"param_groups must be 'all' or 'geometry', got {param_groups!r}")
         if radii is not None and param_groups != "geometry":
             raise ValueError("radii needs param_groups='geometry'")
-        for role, radius in (radii or {}).items():
-            if role not in ROLES:
-                raise ValueError(f"unknown role {role!r} in radii; allowed: {', '.join(ROLES)}")
-            if isinstance(radius, bool) or not isinstance(radius, int | float) or radius <= 0:
-                raise ValueError(f"radii[{role!r}] must be a positive number, got {radius!r}")
+        check_radii(radii)
         hidden_sizes = [128] if hidden_sizes is None else list(hidden_sizes)
         channels = [16, 32] if channels is None else list(channels)
         _check_sizes("hidden_sizes", hidden_sizes, allow_empty=True)

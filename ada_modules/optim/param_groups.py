@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_ROLE_NORM_KWARGS",
     "ROLES",
     "Role",
+    "check_radii",
     "geometry_param_groups",
     "split_param_groups",
 ]
@@ -107,8 +108,7 @@ def geometry_param_groups(
             raise ValueError(f"unknown norm {norm!r} for role {role!r}; allowed: {NORM_NAMES}")
         role_norms[role] = norm
         role_kwargs[role] = None
-    for role in radii or {}:
-        _check_role(role)
+    check_radii(radii)
 
     modules = dict(model.named_modules())
     head_module = _find_head(modules, head, tuple(head_names))
@@ -179,6 +179,23 @@ def split_param_groups(
                 part["param_names"] = [names[i] for i in picked]
             target.append(part)
     return inside, outside
+
+
+def check_radii(radii: Mapping[str, float] | None) -> None:
+    """Raise ``ValueError`` unless every key of ``radii`` is a role and every value is positive.
+
+    Examples:
+        >>> check_radii({"hidden": 3.0, "head": 10.0})
+        >>> check_radii({"head": 0})
+        Traceback (most recent call last):
+        ...
+        ValueError: radii['head'] must be a positive number, got 0
+    """
+    for role, radius in (radii or {}).items():
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r} in radii; allowed: {', '.join(ROLES)}")
+        if isinstance(radius, bool) or not isinstance(radius, int | float) or radius <= 0:
+            raise ValueError(f"radii[{role!r}] must be a positive number, got {radius!r}")
 
 
 def _check_role(role: str) -> None:
