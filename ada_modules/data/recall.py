@@ -39,6 +39,13 @@ class RecallDataModule(SequenceTaskDataModule):
         motif_length: Length of the repeated motif of a filler segment.
         filler_alphabet: Characters that motifs are drawn from.
         filler_loss: Put LM loss on the predictable part of the filler (after its first motif).
+        extra_queries: Answered queries ``|key*h=answer`` between the context and the final
+            query, each with LM loss on its answer: several supervised retrievals per sequence
+            (as in multi-query associative recall), which a tiny model needs to learn the task
+            in a few thousand steps. They are distinct queries (any hop count) about any chain,
+            but never the final query nor one with the same answer, so that the final answer is neither written
+            in the prompt nor assembled from answered queries alone (a 2-hop answer still needs
+            at least one link of the context).
         seed: Seed of the three example streams; equal seeds give equal data. ``None`` takes
             the seed of ``seed_everything`` (``PL_GLOBAL_SEED``; 0 when unset), so a sweep's
             seeds vary the data too.
@@ -72,6 +79,7 @@ class RecallDataModule(SequenceTaskDataModule):
         motif_length: int = 3,
         filler_alphabet: str = string.ascii_uppercase,
         filler_loss: bool = False,
+        extra_queries: int = 0,
         seed: int | None = None,
         num_train: int = 10_000,
         num_val: int = 256,
@@ -96,6 +104,7 @@ class RecallDataModule(SequenceTaskDataModule):
             ("filler_segments", filler_segments, 0),
             ("filler_length", filler_length, 1),
             ("motif_length", motif_length, 1),
+            ("extra_queries", extra_queries, 0),
         ):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -144,7 +153,27 @@ class RecallDataModule(SequenceTaskDataModule):
         self.motif_length = motif_length
         self.filler_alphabet = filler_alphabet
         self.filler_loss = filler_loss
+        self.extra_queries = extra_queries
+        # The fewest extra queries any final query allows: all queries, minus the final one and
+        # those with its answer (at most max_hops of them: one per node before it on its chain).
+        queries = sum(len(c) * (len(c) - 1) // 2 for c in self._chain_shapes())
+        if extra_queries > queries - max_hops:
+            raise ValueError(
+                f"extra_queries={extra_queries} exceeds the {queries - max_hops} distinct "
+                f"queries that num_pairs={num_pairs}, max_hops={max_hops} allow besides the "
+                "final query and those sharing its answer"
+            )
         self.save_hyperparameters()
+
+    def _chain_shapes(self) -> list[list[int]]:
+        """Chains of node indices with the lengths ``make_example`` draws (the same every time)."""
+        num_chains = -(-self.num_pairs // self.max_hops)
+        chains, position = [], 0
+        for c in range(num_chains):
+            links = min(self.max_hops, self.num_pairs - c * self.max_hops)
+            chains.append(list(range(position, position + links + 1)))
+            position += links + 1
+        return chains
 
     @property
     def prompt_length(self) -> int:
@@ -152,7 +181,13 @@ class RecallDataModule(SequenceTaskDataModule):
         links = self.num_pairs * (2 * self.key_length + 1) + self.num_pairs - 1
         filler = self.filler_segments * (self.filler_length + 3)
         query = 1 + self.key_length + 1 + len(str(self.max_hops)) + 1
-        return 1 + links + filler + query
+        return (
+            1
+            + links
+            + filler
+            + (self.extra_queries + 1) * query
+            + self.extra_queries * self.key_length
+        )
 
     def make_example(self, rng: random.Random) -> SequenceExample:
         """Draw chains of keys, shuffle their links, add filler and ask a ``h``-hop query."""
@@ -162,11 +197,7 @@ class RecallDataModule(SequenceTaskDataModule):
             nodes.add("".join(rng.choices(self.key_alphabet, k=self.key_length)))
         node_list = sorted(nodes)
         rng.shuffle(node_list)
-        chains, position = [], 0
-        for c in range(num_chains):
-            links = min(self.max_hops, self.num_pairs - c * self.max_hops)
-            chains.append(node_list[position : position + links + 1])
-            position += links + 1
+        chains = [[node_list[i] for i in shape] for shape in self._chain_shapes()]
         hops = rng.choices(range(1, self.max_hops + 1), weights=self.hop_weights)[0]
         chain = rng.choice([ch for ch in chains if len(ch) > hops])
         start = rng.randrange(len(chain) - hops)
@@ -190,6 +221,17 @@ class RecallDataModule(SequenceTaskDataModule):
                 first = len(prompt) + 1 + self.motif_length
                 loss_spans.append((first, len(prompt) + len(segment)))
             prompt += segment
+        allowed = [
+            (other[i], j - i, other[j])
+            for other in chains
+            for i in range(len(other))
+            for j in range(i + 1, len(other))
+            if other[j] != answer
+        ]
+        for node, extra_hops, target in rng.sample(allowed, self.extra_queries):
+            prompt += f"|{node}*{extra_hops}="
+            loss_spans.append((len(prompt), len(prompt) + self.key_length))
+            prompt += target
         prompt += f"|{query}*{hops}="
         return SequenceExample(
             prompt=prompt,

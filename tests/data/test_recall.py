@@ -41,6 +41,33 @@ def test_answer_follows_the_queried_number_of_links(max_hops):
     assert seen_hops == set(range(1, max_hops + 1))
 
 
+def test_extra_queries_are_answered_never_share_the_final_answer_and_carry_the_loss():
+    dm = RecallDataModule(
+        num_pairs=8, max_hops=2, key_length=2, filler_segments=1, extra_queries=6, **SMALL
+    )
+    dm.setup("test")
+    tok = CharTokenizer()
+    for example in dm.datasets["test"]:
+        prompt = tok.decode(example["prompt_ids"])
+        context, *extras, final = prompt.split("|")
+        assert len(example["prompt_ids"]) == dm.prompt_length and len(extras) == 6
+        assert len(set(extras)) == 6
+        links, node, hops = _parse(f"{context}|{final}")
+        for _ in range(hops):
+            node = links[node]
+        assert example["answer"] == node
+        for extra in extras:
+            query, answer = extra.split("=")
+            key, extra_hops = query.split("*")
+            target = key
+            for _ in range(int(extra_hops)):
+                target = links[target]
+            assert answer == target != node
+        # LM loss on each extra answer (the prompt has <bos> at token 0).
+        spans = [prompt[start - 1 : end - 1] for start, end in example["loss_spans"]]
+        assert spans == [extra.split("=")[1] for extra in extras]
+
+
 def test_hop_weights_select_hop_counts():
     dm = RecallDataModule(num_pairs=6, max_hops=3, hop_weights=[0.0, 1.0, 0.0], **SMALL)
     dm.setup("test")
@@ -137,6 +164,8 @@ def test_long_context():
         ({"batch_size": 0}, "batch_size"),
         ({"num_val": -1}, "num_val"),
         ({"eval_batch_size": 0}, "eval_batch_size"),
+        ({"extra_queries": -1}, "extra_queries"),
+        ({"num_pairs": 6, "max_hops": 2, "extra_queries": 8}, "extra_queries"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, name):
