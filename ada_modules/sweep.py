@@ -46,10 +46,14 @@ Besides the overrides, every call gets ``--seed_everything``,
 and later stages get ``--ckpt_path=<run dir>/checkpoints/last.ckpt``.
 
 Shared fit: with a top-level ``fit:`` mapping of overrides (``fit: {}`` for none), each seed is
-trained once with the base config, those overrides and the quick profile; then every variant runs
-only its evaluation ``stages`` (default ``[test]``; ``fit`` is not allowed there) from that
-checkpoint, with its own overrides. Use it to compare inference-time choices (a KV cache, an
+trained once with the base config, those overrides and the quick profile; as soon as a seed's fit
+is done, every variant runs only its evaluation ``stages`` (default ``[test]``; ``fit`` is not
+allowed there) from that checkpoint, with its own overrides. Use it to compare inference-time choices (a KV cache, an
 attention implementation) on one trained model.
+
+Folders in values: inside any string override value, ``{run_dir}`` stands for the run's own folder
+and ``{fit_dir}`` for the folder of the same seed's shared fit, e.g. to write a file from a callback
+during the shared fit and read it in every variant (``{fit_dir}/aad/aad_profile.json``).
 
 Outputs (``--out DIR``, default ``sweeps/<name>``): ``DIR/results.json`` (``runs``: one record
 per variant and seed, see :class:`RunRecord`; ``shared_fits``: one per seed), ``DIR/results.md``
@@ -562,6 +566,7 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
         for seed in seeds:
             fit_dir = out / "shared_fit" / f"seed_{seed}"
             overrides = {**spec.overrides, **spec.shared_fit, **extra}
+            overrides = _with_folders(overrides, run_dir=fit_dir, fit_dir=fit_dir)
             fits[seed] = make(_SHARED_FIT, seed, overrides, ["fit"], fit_dir, None)
     runs = []
     for variant in spec.variants:
@@ -570,8 +575,21 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
             fit = fits.get(seed)
             ckpt = fit.run_dir / "checkpoints" / "last.ckpt" if fit else None
             overrides = {**spec.overrides, **variant.overrides, **extra}
+            overrides = _with_folders(overrides, run_dir=run_dir, fit_dir=fit and fit.run_dir)
             runs.append(make(variant.name, seed, overrides, spec.stages, run_dir, ckpt, fit))
     return list(fits.values()), runs
+
+
+def _with_folders(value: Any, run_dir: Path, fit_dir: Path | None) -> Any:
+    """``value`` with ``{run_dir}`` and ``{fit_dir}`` (if any) filled in every string it holds."""
+    if isinstance(value, str):
+        value = value.replace("{run_dir}", str(run_dir))
+        return value if fit_dir is None else value.replace("{fit_dir}", str(fit_dir))
+    if isinstance(value, dict):
+        return {key: _with_folders(item, run_dir, fit_dir) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_with_folders(item, run_dir, fit_dir) for item in value]
+    return value
 
 
 def _last_checkpoint(run_dir: Path) -> dict[str, Any]:
@@ -783,7 +801,10 @@ def _check_calls(spec: SweepSpec, runs: list[_Run]) -> None:
 def _execute_all(
     spec: SweepSpec, results: _Results, fits: list[_Run], runs: list[_Run], jobs: int
 ) -> None:
-    """Run the shared fits, then the variant runs, ``jobs`` at a time, skipping finished ones."""
+    """Run the shared fits and the variant runs, ``jobs`` at a time, skipping finished ones.
+
+    A variant run starts once the shared fit of its seed is done (not all of them).
+    """
     env = dict(os.environ)
     if jobs > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
@@ -824,8 +845,21 @@ def _execute_all(
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         try:
-            for batch in (fits, runs):
-                list(pool.map(step, batch))
+            # Every shared fit is queued before any variant run, so a run that waits for its
+            # seed's fit never holds a worker that fit needs; runs of the seeds whose fits were
+            # queued first come first, so they start as soon as their own fit is done.
+            fitted = {fit.seed: pool.submit(step, fit) for fit in fits}
+            if fits:
+                order = [fit.seed for fit in fits]
+                runs = sorted(runs, key=lambda run: order.index(run.seed))
+
+            def after_fit(run: _Run) -> None:
+                if run.depends_on is not None:
+                    fitted[run.depends_on.seed].result()
+                step(run)
+
+            for future in [*fitted.values(), *(pool.submit(after_fit, run) for run in runs)]:
+                future.result()
         except BaseException:  # Ctrl-C: start no further runs
             pool.shutdown(wait=False, cancel_futures=True)
             raise

@@ -369,6 +369,24 @@ def test_dry_run_lists_shared_fits_first(tmp_path):
         assert shlex.split(line)[:2] == ["ada", "test"] and f"--ckpt_path={ckpt}" in line
 
 
+def test_run_dir_and_fit_dir_in_override_values_name_the_runs_folders(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        f"base: {FIXTURES / 'base.yaml'}\nseeds: [3, 4]\nmetrics: [test/score]\n"
+        "fit: {trainer.callbacks: [{init_args: {dirpath: '{fit_dir}/a'}, class_path: C}]}\n"
+        "variants:\n  - name: v\n    overrides:\n"
+        "      trainer.callbacks: [{init_args: {dirpath: '{fit_dir}/a', x: '{run_dir}'}}]\n"
+    )
+    fits, runs = sweep._plan(SweepSpec.from_yaml(spec), tmp_path / "out", quick=False)
+    for fit, run in zip(fits, runs, strict=True):
+        assert fit.overrides["trainer.callbacks"][0]["init_args"]["dirpath"] == f"{fit.run_dir}/a"
+        assert run.overrides["trainer.callbacks"][0]["init_args"] == {
+            "dirpath": f"{fit.run_dir}/a",
+            "x": str(run.run_dir),
+        }
+        assert f"seed_{run.seed}" in str(fit.run_dir) and fit.run_dir != run.run_dir
+
+
 # --- real sweeps (subprocesses of `python -m ada_modules`) ------------------------------------
 
 
