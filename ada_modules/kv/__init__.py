@@ -6,7 +6,8 @@
   from the packed codes,
 - :class:`AdaKVQCache` (per-layer bit widths from an AAD profile, per-block dynamic widths),
 - :func:`average_attention_distance` and :class:`AADProfile` (how far each layer attends),
-- :func:`allocate_bits` and :class:`BitAllocation` (bit widths under an average-bit budget).
+- :func:`allocate_bits` and :class:`BitAllocation` (bit widths under an average-bit budget),
+- :func:`cache_nbytes` (exact bytes held by any cache, for memory metrics).
 """
 
 from ada_modules.kv.aad import (
@@ -31,6 +32,7 @@ from ada_modules.kv.bit_allocation import (
     solve_allocation,
 )
 from ada_modules.kv.kivi import KIVICache, per_layer_bits
+from ada_modules.kv.memory import cache_nbytes
 from ada_modules.kv.quantized_layer import (
     QUANTIZED_KV_ATTENTION,
     LazyDequantizedStates,
@@ -57,6 +59,7 @@ __all__ = [
     "average_attention_distance",
     "bits_per_element",
     "block_bits_per_element",
+    "cache_nbytes",
     "per_layer_bits",
     "quantized_kv_attention",
     "solve_allocation",

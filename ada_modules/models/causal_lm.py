@@ -2,7 +2,7 @@
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from lightning.pytorch import LightningModule
@@ -20,17 +20,29 @@ from transformers import (
 )
 
 from ada_modules.data.tokenizer import CharTokenizer
+from ada_modules.kv.memory import cache_nbytes
 from ada_modules.optim.chain import OptimizerChain
 from ada_modules.optim.param_groups import check_radii, geometry_param_groups, split_param_groups
 
-__all__ = ["CausalLMModule", "build_causal_lm"]
+__all__ = ["CausalLMModule", "Generation", "build_causal_lm"]
 
 ARCHITECTURES: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
 }
 """Model families built from a config: name -> (config class, model class)."""
-_EVAL_METRICS = ("loss", "exact_match", "gen_length", "tokens_per_s")
+_EVAL_METRICS = ("loss", "exact_match", "gen_length", "tokens_per_s", "kv_bytes_per_token")
+
+
+class Generation(NamedTuple):
+    """What :meth:`CausalLMModule.generate` returns."""
+
+    completions: list[list[int]]
+    """Per prompt, the generated ids up to and including the first end token."""
+    seconds: float
+    """Wall time of ``generate``."""
+    cache: Cache
+    """The KV cache as ``generate`` left it (prompt and generated tokens but the last)."""
 
 
 def build_causal_lm(
@@ -83,7 +95,9 @@ class CausalLMModule(LightningModule):
     library. Training minimises next-token loss on the batch ``labels`` (the completion). Validation
     and test log ``loss``, and generate completions greedily from ``prompt_ids`` to log
     ``exact_match`` (generation equal to the batch ``targets``), ``gen_length`` (generated tokens,
-    end token included) and ``tokens_per_s``; when the batch has ``hops``, also
+    end token included), ``tokens_per_s`` and ``kv_bytes_per_token`` (bytes the KV cache holds
+    per cached token of one sequence, metadata included, see :func:`~ada_modules.kv.cache_nbytes`);
+    when the batch has ``hops``, also
     ``exact_match_hop{h}`` per hop count.
 
     Techniques plug in without code changes: ``cache_factory`` supplies the KV cache of each
@@ -263,15 +277,13 @@ class CausalLMModule(LightningModule):
         return loss
 
     @torch.no_grad()
-    def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
-    ) -> tuple[list[list[int]], float]:
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Generation:
         """Greedily complete left-padded prompts.
 
         Returns:
-            Per prompt, the generated token ids up to and including the first end token (all of
-            them when generation hit ``max_new_tokens`` first), and the wall time of ``generate``
-            in seconds.
+            The completions (per prompt, the generated token ids up to and including the first end
+            token; all of them when generation hit ``max_new_tokens`` first), the wall time of
+            ``generate`` in seconds, and the KV cache it filled.
         """
         kwargs: dict[str, Any] = {}
         if self.cache_factory is not None:
@@ -279,20 +291,21 @@ class CausalLMModule(LightningModule):
         if prompt_ids.is_cuda:
             torch.cuda.synchronize(prompt_ids.device)
         start = time.perf_counter()
-        sequences = self.model.generate(
+        output = self.model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
             max_new_tokens=self.max_new_tokens,
+            return_dict_in_generate=True,
             **kwargs,
         )
         if prompt_ids.is_cuda:
             torch.cuda.synchronize(prompt_ids.device)
         elapsed = time.perf_counter() - start
         completions = []
-        for row in sequences[:, prompt_ids.shape[1] :].tolist():
+        for row in output.sequences[:, prompt_ids.shape[1] :].tolist():
             end = row.index(self.tokenizer.eos_id) + 1 if self.tokenizer.eos_id in row else len(row)
             completions.append(row[:end])
-        return completions, elapsed
+        return Generation(completions, elapsed, output.past_key_values)
 
     def setup(self, stage: str) -> None:
         # Per-hop accuracies exist from the start (same metrics on every rank) when the
@@ -303,9 +316,21 @@ class CausalLMModule(LightningModule):
                 if f"{split}_{hops}" not in self.hop_metrics:
                     self.hop_metrics[f"{split}_{hops}"] = MeanMetric()
 
+    def _metrics_in_float32(self) -> None:
+        # Under a half-precision trainer (``precision: bf16-true``) the model is converted, states
+        # of the metrics included; accumulate in float32 so that means are not rounded to bf16.
+        for metric in [*self.eval_metrics.values(), *self.hop_metrics.values()]:
+            metric.set_dtype(torch.float32)
+
+    def on_validation_start(self) -> None:
+        self._metrics_in_float32()
+
+    def on_test_start(self) -> None:
+        self._metrics_in_float32()
+
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
         batch_size = batch["prompt_ids"].shape[0]
-        completions, elapsed = self.generate(batch["prompt_ids"], batch["prompt_mask"])
+        completions, elapsed, cache = self.generate(batch["prompt_ids"], batch["prompt_mask"])
         # Exact match on token ids: the completion and its end token, nothing else (a stray
         # special token or a missing end token is wrong, which decoding to text would hide).
         targets = [self.tokenizer.encode(t, add_eos=True) for t in batch["targets"]]
@@ -319,6 +344,11 @@ class CausalLMModule(LightningModule):
             "gen_length": (lengths.float(), 1.0),
             # Weighting each batch's rate by its time gives total tokens / total time.
             "tokens_per_s": (lengths.sum() / max(elapsed, 1e-9), elapsed),
+            # Bytes the KV cache held per token of one sequence at the end of generation.
+            "kv_bytes_per_token": (
+                torch.tensor(cache_nbytes(cache) / (batch_size * max(cache.get_seq_length(), 1))),
+                1.0,
+            ),
         }
         for name, (value, weight) in updates.items():
             metric = self.eval_metrics[f"{stage}_{name}"]
@@ -347,7 +377,7 @@ class CausalLMModule(LightningModule):
         self._evaluate(batch, "test")
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> list[str]:
-        completions, _ = self.generate(batch["prompt_ids"], batch["prompt_mask"])
+        completions = self.generate(batch["prompt_ids"], batch["prompt_mask"]).completions
         return [self.tokenizer.decode(ids) for ids in completions]
 
     def configure_optimizers(self) -> Any:

@@ -234,8 +234,10 @@ def test_causal_lm_module_takes_kivi_from_yaml(tmp_path):
     cache = module.cache_factory(config=module.model.config)
     assert isinstance(cache, KIVICache)
     assert [(layer.key_bits, layer.value_bits) for layer in cache.layers] == [(2, 3), (4, 3)]
-    completions, _ = module.generate(torch.full((2, 40), 5), torch.ones(2, 40, dtype=torch.long))
-    assert len(completions) == 2
+    completions, _, used = module.generate(
+        torch.full((2, 40), 5), torch.ones(2, 40, dtype=torch.long)
+    )
+    assert len(completions) == 2 and isinstance(used, KIVICache) and used.nbytes() > 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from transformers import DynamicCache, LlamaForCausalLM, Qwen2ForCausalLM
 
 from ada_modules.data import CharTokenizer, RecallDataModule
 from ada_modules.models import CausalLMModule
+from ada_modules.models.causal_lm import Generation
 from ada_modules.optim.lr_schedulers import WarmupCosineLR
 
 TINY = {
@@ -86,10 +87,30 @@ def test_validation_logs_generation_metrics(seed, datamodule, tmp_path, cpu_trai
     module = CausalLMModule(**TINY)
     metrics = cpu_trainer(limit_val_batches=2).validate(module, datamodule, verbose=False)[0]
     expected = {"loss", "exact_match", "gen_length", "tokens_per_s", "exact_match_hop1"}
-    assert {f"val/{name}" for name in expected} <= set(metrics)
+    assert {f"val/{name}" for name in expected | {"kv_bytes_per_token"}} <= set(metrics)
+    # DynamicCache in fp32: keys + values of every layer, 4 bytes per element.
+    config = module.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    fp32_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    assert metrics["val/kv_bytes_per_token"] == pytest.approx(fp32_bytes)
     assert 0.0 <= metrics["val/exact_match"] <= 1.0
     assert 1.0 <= metrics["val/gen_length"] <= TINY["max_new_tokens"]
     assert metrics["val/tokens_per_s"] > 0
+
+
+def test_metrics_accumulate_in_float32_under_bf16_true(seed, datamodule, cpu_trainer):
+    module = CausalLMModule(**TINY)
+    metrics = cpu_trainer(limit_val_batches=2, precision="bf16-true").validate(
+        module, datamodule, verbose=False
+    )[0]
+    assert next(module.model.parameters()).dtype == torch.bfloat16
+    for metric in [*module.eval_metrics.values(), *module.hop_metrics.values()]:
+        assert metric.mean_value.dtype == torch.float32
+    # bf16 caches: 2 bytes per element.
+    config = module.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    bf16_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2
+    assert metrics["val/kv_bytes_per_token"] == pytest.approx(bf16_bytes)
 
 
 def test_exact_match_compares_generations_with_targets(
@@ -109,7 +130,7 @@ def test_exact_match_compares_generations_with_targets(
             if hops == 2:
                 ids = [ids[0], tokenizer.pad_id, *ids[1:]] if len(completions) % 2 else ids[:-1]
             completions.append(ids)
-        return completions, 0.5
+        return Generation(completions, 0.5, DynamicCache())
 
     monkeypatch.setattr(module, "generate", fake_generate)
     metrics = cpu_trainer().test(module, datamodule, verbose=False)[0]
@@ -128,12 +149,12 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone():
     assert not batch["prompt_mask"].all(), "prompts of different lengths are needed"
     torch.manual_seed(0)
     module = CausalLMModule(**{**TINY, "max_new_tokens": 6}, attn_implementation="eager").eval()
-    batched, _ = module.generate(batch["prompt_ids"], batch["prompt_mask"])
+    batched = module.generate(batch["prompt_ids"], batch["prompt_mask"]).completions
     for row in range(len(batched)):
         keep = batch["prompt_mask"][row].bool()
-        alone, _ = module.generate(
+        alone = module.generate(
             batch["prompt_ids"][row, keep][None], batch["prompt_mask"][row, keep][None]
-        )
+        ).completions
         assert batched[row] == alone[0], row
 
 
