@@ -72,6 +72,7 @@ Examples:
 """
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -379,6 +380,16 @@ class AdaKVQCache(KIVICache):
             (``to_dict``), or the path of its JSON file (read when the cache is built, so a YAML
             config may name a file that does not exist yet). ``None`` to give ``key_bits`` and
             ``value_bits`` inline instead.
+        profile: Instead of ``allocation``: an AAD profile (an
+            :class:`~ada_modules.kv.AADProfile`, its JSON path, read when the cache is built,
+            or one AAD per layer) to allocate from under ``budget`` with
+            :func:`~ada_modules.kv.allocate_bits` at the model's head dim.
+        budget: Mean stored bits per element, metadata included, for ``profile``.
+        allocation_method: ``allocate_bits``'s method for ``profile``: ``"dp"`` (AdaKVQ),
+            ``"greedy"``, or the same-widths baselines ``"reverse"`` and ``"random"``.
+        bit_widths: Static widths ``profile`` may allocate.
+        allocation_seed: Seed of ``"random"``; ``None`` takes ``seed_everything``'s
+            (``PL_GLOBAL_SEED``, 0 when unset), so that a sweep's seeds draw different layouts.
         key_bits: Inline key widths (one for all layers or one per layer), without
             ``allocation``.
         value_bits: Inline value widths, likewise.
@@ -435,6 +446,11 @@ class AdaKVQCache(KIVICache):
         self,
         config: PreTrainedConfig | None = None,
         allocation: BitAllocation | str | Path | dict[str, Any] | None = None,
+        profile: AADProfile | str | Path | list[float] | None = None,
+        budget: float | None = None,
+        allocation_method: Literal["dp", "greedy", "reverse", "random"] = "dp",
+        bit_widths: Sequence[int] = (2, 3, 4),
+        allocation_seed: int | None = None,
         key_bits: int | list[int] | None = None,
         value_bits: int | list[int] | None = None,
         key_group_size: int | None = None,
@@ -458,6 +474,23 @@ class AdaKVQCache(KIVICache):
                     f"num_layers={num_layers} disagrees with the config's {model_layers} layers"
                 )
             num_layers = model_layers
+        if profile is not None:
+            if allocation is not None or key_bits is not None or value_bits is not None:
+                raise ValueError("give profile or allocation or key_bits/value_bits, not several")
+            if budget is None:
+                raise ValueError("profile needs a budget (mean stored bits per element)")
+            allocation = _allocate_from_profile(
+                config,
+                profile,
+                budget,
+                allocation_method,
+                bit_widths,
+                key_group_size or 32,
+                num_layers,
+                allocation_seed,
+            )
+        elif budget is not None:
+            raise ValueError(f"budget={budget} is only used with a profile")
         alloc = _resolve_allocation(
             allocation, key_bits, value_bits, num_layers, key_group_size or 32
         )
@@ -523,25 +556,16 @@ class AdaKVQCache(KIVICache):
             >>> [layer.key_bits for layer in cache.layers]
             [2, 2, 3, 3]
         """
-        if isinstance(profile, str | Path):
-            profile = AADProfile.from_json(profile)
-        head_dim = None
-        if config is not None:
-            text_config = config.get_text_config(decoder=True)
-            num_layers = len(get_layer_types_and_kwargs(text_config)[0])
-            head_dim = getattr(text_config, "head_dim", None) or (
-                text_config.hidden_size // text_config.num_attention_heads
-            )
-        allocation = allocate_bits(
-            profile,
-            budget,
-            method=method,
+        return cls(
+            config,
+            profile=profile,
+            budget=budget,
+            allocation_method=method,
             bit_widths=bit_widths,
+            key_group_size=group_size,
             num_layers=num_layers,
-            group_size=group_size,
-            head_dim=head_dim,
+            **kwargs,
         )
-        return cls(config, allocation, num_layers=num_layers, **kwargs)
 
     def packed_nbytes(self) -> int:
         """Exact bytes of all layers' packed histories (residual windows left out)."""
@@ -564,6 +588,40 @@ class AdaKVQCache(KIVICache):
             if layer.segments
         )
         return 8 * self.packed_nbytes() / elements if elements else 0.0
+
+
+def _allocate_from_profile(
+    config: PreTrainedConfig | None,
+    profile: AADProfile | str | Path | Sequence[float],
+    budget: float,
+    method: Literal["dp", "greedy", "reverse", "random"],
+    bit_widths: Sequence[int],
+    group_size: int,
+    num_layers: int | None,
+    seed: int | None,
+) -> BitAllocation:
+    """``allocate_bits`` on a profile at the model's layer count and head dim."""
+    if isinstance(profile, str | Path):
+        profile = AADProfile.from_json(profile)
+    head_dim = None
+    if config is not None:
+        text_config = config.get_text_config(decoder=True)
+        num_layers = len(get_layer_types_and_kwargs(text_config)[0])
+        head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+    if seed is None:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    return allocate_bits(
+        profile,
+        budget,
+        method=method,
+        bit_widths=bit_widths,
+        num_layers=num_layers,
+        group_size=group_size,
+        head_dim=head_dim,
+        seed=seed,
+    )
 
 
 def _resolve_allocation(

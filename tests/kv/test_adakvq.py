@@ -331,6 +331,44 @@ def test_allocation_json_round_trip_into_the_cache(tmp_path):
     )
     assert from_json.allocation.key_bits == packed.key_bits
     assert from_json.allocation.value_bits == packed.value_bits
+    # The same from init arguments (what a YAML cache_factory gives), with the baselines.
+    from_init = AdaKVQCache(
+        model.config, profile=str(tmp_path / "profile.json"), budget=5.0, key_group_size=16
+    )
+    assert from_init.allocation == from_json.allocation
+    reverse = AdaKVQCache(
+        model.config,
+        profile=[0.05, 0.1, 0.6, 0.4],
+        budget=5.0,
+        allocation_method="reverse",
+        key_group_size=16,
+    )
+    assert reverse.allocation == allocate_bits(
+        [0.05, 0.1, 0.6, 0.4], 5.0, method="reverse", group_size=16, head_dim=head_dim
+    )
+
+
+def test_random_allocation_from_init_follows_the_global_seed(monkeypatch):
+    config = LlamaConfig(**{**TINY, "num_hidden_layers": 6})
+    aad = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+
+    def draw(seed: int | None = None) -> BitAllocation:
+        cache = AdaKVQCache(
+            config,
+            profile=aad,
+            budget=4.5,
+            allocation_method="random",
+            allocation_seed=seed,
+            key_group_size=16,
+        )
+        return cache.allocation
+
+    layouts = set()
+    for seed in range(4):
+        monkeypatch.setenv("PL_GLOBAL_SEED", str(seed))
+        assert draw() == draw(seed)
+        layouts.add(tuple(draw().key_bits + draw().value_bits))
+    assert len(layouts) > 1
 
 
 def test_causal_lm_module_takes_adakvq_from_yaml_with_a_lazy_allocation_path(tmp_path):
@@ -357,8 +395,10 @@ def test_causal_lm_module_takes_adakvq_from_yaml_with_a_lazy_allocation_path(tmp
     cache = module.cache_factory(config=module.model.config)
     assert isinstance(cache, AdaKVQCache) and cache.dynamic_layers == [1]
     assert [(layer.key_bits, layer.value_bits) for layer in cache.layers] == [(2, 3), (4, 4)]
-    completions, _ = module.generate(torch.full((2, 40), 5), torch.ones(2, 40, dtype=torch.long))
-    assert len(completions) == 2
+    completions, _, used = module.generate(
+        torch.full((2, 40), 5), torch.ones(2, 40, dtype=torch.long)
+    )
+    assert len(completions) == 2 and isinstance(used, AdaKVQCache) and used.nbytes() > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,6 +437,15 @@ CONFIG = Qwen2Config(**TINY)  # 2 layers, head_dim 16
         (
             lambda: AdaKVQCache.from_profile(CONFIG, [0.1, 0.2], budget=2.5, group_size=16),
             "budget=2.5 is below the cheapest width",
+        ),
+        (lambda: AdaKVQCache(CONFIG, profile=[0.1, 0.2]), "profile needs a budget"),
+        (
+            lambda: AdaKVQCache(CONFIG, key_bits=2, value_bits=2, budget=4.0),
+            "budget=4.0 is only used with a profile",
+        ),
+        (
+            lambda: AdaKVQCache(CONFIG, profile=[0.1, 0.2], budget=5.0, key_bits=2),
+            "not several",
         ),
         (
             lambda: AdaKVQCache(
@@ -444,6 +493,9 @@ CONFIG = Qwen2Config(**TINY)  # 2 layers, head_dim 16
         "profile_bits",
         "ladder_bits",
         "budget",
+        "profile_without_budget",
+        "budget_without_profile",
+        "profile_and_bits",
         "group_mismatch",
         "dynamic_index",
         "dynamic_fraction",
