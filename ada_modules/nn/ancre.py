@@ -84,6 +84,12 @@ class ConnectivityRouter(nn.Module):
         prev_logit: Initial logit of the previous state (others start at 0).
         residual_in_block: ``True`` if each block already adds its input (HF decoder layers,
             timm and diffusers blocks); ``False`` if it returns only its branch ``F(x)``.
+        lr_scale: Each coefficient is stored divided by this factor and used multiplied by it,
+            so that with Adam-type optimizers (whose steps do not depend on the gradient's
+            scale) the coefficients move ``lr_scale`` times faster than the blocks' weights,
+            without a separate parameter group. Zero-initialised coefficients (gates, ReZero's
+            alpha) keep the exact identity at init; DenseFormer's unit weights are exact when
+            ``lr_scale`` is a power of two.
 
     Raises:
         ValueError: If an argument is out of range, naming it.
@@ -111,6 +117,7 @@ class ConnectivityRouter(nn.Module):
         gate: bool = True,
         prev_logit: float = 0.0,
         residual_in_block: bool = True,
+        lr_scale: float = 1.0,
     ) -> None:
         super().__init__()
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
@@ -130,6 +137,8 @@ class ConnectivityRouter(nn.Module):
             raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+        if isinstance(lr_scale, bool) or not isinstance(lr_scale, int | float) or lr_scale <= 0:
+            raise ValueError(f"lr_scale must be > 0, got {lr_scale!r}")
         if per_channel and (not isinstance(num_channels, int) or num_channels < 1):
             raise ValueError(
                 f"per_channel=True needs num_channels >= 1, got num_channels={num_channels!r}"
@@ -145,6 +154,7 @@ class ConnectivityRouter(nn.Module):
         self.channel_dim = channel_dim
         self.use_gate = gate
         self.residual_in_block = residual_in_block
+        self.lr_scale = float(lr_scale)
         self.hard = False
         width = num_channels if per_channel else 1
         # Routed rows: source mode routes the skip of blocks 1..K-1 (block 0 has one source);
@@ -164,14 +174,14 @@ class ConnectivityRouter(nn.Module):
             logits = torch.zeros(total, width)
             for r, sources in self._rows.items():
                 logits[self._offsets[r] + len(sources) - 1] = prev_logit
-            self.logits = nn.Parameter(logits.flatten())
+            self.logits = nn.Parameter(logits.flatten() / self.lr_scale)
             if gate:
                 self.gate = nn.Parameter(torch.zeros(len(rows) * width))
         elif mode == "denseformer":
             weights = torch.zeros(total, width)
             for r, sources in self._rows.items():
                 weights[self._offsets[r] + len(sources) - 1] = 1.0
-            self.weights = nn.Parameter(weights.flatten())
+            self.weights = nn.Parameter(weights.flatten() / self.lr_scale)
         elif mode == "rezero":
             self.alpha = nn.Parameter(torch.zeros(num_layers * width))
         self._width = width
@@ -187,10 +197,14 @@ class ConnectivityRouter(nn.Module):
         progress = min(int(self.step) / self.anneal_steps, 1.0)
         return self.temperature * (self.final_temperature / self.temperature) ** progress
 
+    def _coefficients(self, name: str) -> torch.Tensor:
+        """A coefficient parameter as used, ``(entries, width)``: stored value times ``lr_scale``."""
+        flat = getattr(self, name).view(-1, self._width)
+        return flat if self.lr_scale == 1.0 else flat * self.lr_scale
+
     def _row_param(self, name: str, r: int) -> torch.Tensor:
         n = len(self._rows[r])
-        flat = getattr(self, name).view(-1, self._width)
-        return flat[self._offsets[r] : self._offsets[r] + n]
+        return self._coefficients(name)[self._offsets[r] : self._offsets[r] + n]
 
     def _row_weights(self, r: int) -> tuple[list[int], torch.Tensor]:
         """Sources of row ``r`` and their coefficients ``(n, width)`` in the row's sum.
@@ -217,7 +231,7 @@ class ConnectivityRouter(nn.Module):
         delta = probs - onehot
         if self.use_gate:
             i = list(self._rows).index(r)
-            delta = delta * self.gate.view(-1, self._width)[i]
+            delta = delta * self._coefficients("gate")[i]
         if len(used) < len(sources):
             return [sources[k] for k in used], delta[used]
         return sources, delta
@@ -338,7 +352,7 @@ class ConnectivityRouter(nn.Module):
     def block_output(self, index: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Block ``index``'s routed output, from its input ``x`` and its raw output ``y``."""
         if self.mode == "rezero":
-            alpha = self.alpha.view(-1, self._width)[index]
+            alpha = self._coefficients("alpha")[index]
             branch = y - x if self.residual_in_block else y
             shape = [1] * y.ndim
             if self.per_channel:

@@ -172,6 +172,7 @@ class ConnectivityWrapper:
         per_channel: One coefficient per channel.
         gate: Exact-identity gate (``True``) or pure softmax (``False``).
         prev_logit: Initial logit of the previous state.
+        lr_scale: Learning-rate multiplier of the coefficients (Adam-type optimizers).
 
     Raises:
         ValueError: If ``mode`` is unknown (other arguments are checked when called).
@@ -202,6 +203,7 @@ class ConnectivityWrapper:
         per_channel: bool = False,
         gate: bool = True,
         prev_logit: float = 0.0,
+        lr_scale: float = 1.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -216,6 +218,7 @@ class ConnectivityWrapper:
             "per_channel": per_channel,
             "gate": gate,
             "prev_logit": prev_logit,
+            "lr_scale": lr_scale,
         }
 
     def __call__(self, model: nn.Module) -> nn.Module:
@@ -250,6 +253,7 @@ class MLPResNet(ANCReStack):
         per_channel: One coefficient per channel.
         gate: Exact-identity gate (``True``) or pure softmax (``False``).
         prev_logit: Initial logit of the previous state.
+        lr_scale: Learning-rate multiplier of the coefficients (Adam-type optimizers).
 
     Raises:
         ValueError: If ``width``, ``depth`` or ``expansion`` is below 1, or a router argument is
@@ -276,6 +280,7 @@ class MLPResNet(ANCReStack):
         per_channel: bool = False,
         gate: bool = True,
         prev_logit: float = 0.0,
+        lr_scale: float = 1.0,
     ) -> None:
         for name, value in (("width", width), ("depth", depth), ("expansion", expansion)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -302,4 +307,5 @@ class MLPResNet(ANCReStack):
             gate=gate,
             prev_logit=prev_logit,
             residual_in_block=False,
+            lr_scale=lr_scale,
         )

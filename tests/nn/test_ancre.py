@@ -35,7 +35,13 @@ def _plain(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     [
         (mode, options)
         for mode in ROUTED
-        for options in ({}, {"per_channel": True, "num_channels": 8}, {"dilation": 2}, {"top_k": 2})
+        for options in (
+            {},
+            {"per_channel": True, "num_channels": 8},
+            {"dilation": 2},
+            {"top_k": 2},
+            {"lr_scale": 8.0},
+        )
         if not (mode == "denseformer" and "top_k" in options)  # top_k: softmax modes only
     ],
 )
@@ -67,6 +73,28 @@ def test_coefficients_get_gradients_once_the_gate_moves(seed):
     stack.zero_grad()
     stack(x).square().sum().backward()
     assert stack.router.logits.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["source", "denseformer", "rezero"])
+def test_lr_scale_multiplies_the_coefficients_adam_step(seed, mode):
+    # Same function of the used coefficients; one Adam step moves them lr_scale times as far.
+    x = torch.randn(4, 8)
+    moved = []
+    for lr_scale in (1.0, 8.0):
+        torch.manual_seed(0)
+        stack = ANCReStack(_branches(), mode=mode, residual_in_block=False, lr_scale=lr_scale)
+        if mode == "source":
+            with torch.no_grad():
+                stack.router.gate.fill_(0.5 / lr_scale)  # used gate 0.5: logits get gradients
+        before = stack.connectivity()
+        optimizer = torch.optim.Adam(stack.router.parameters(), lr=1e-3)
+        stack(x).square().sum().backward()
+        optimizer.step()
+        moved.append((stack.connectivity() - before).abs().sum().item())
+        if mode == "rezero":  # its connectivity is fixed; alpha is the coefficient
+            moved[-1] = (stack.router.alpha * lr_scale).abs().sum().item()
+    assert moved[0] > 0
+    assert moved[1] == pytest.approx(8 * moved[0], rel=0.05)
 
 
 def test_source_routing_matches_the_formula(seed):
@@ -260,6 +288,7 @@ def test_a_block_that_changes_the_shape_is_named():
         ({"mode": "dense"}, "mode"),
         ({"per_channel": True}, "num_channels"),
         ({"anneal_steps": -1}, "anneal_steps"),
+        ({"lr_scale": 0.0}, "lr_scale"),
     ],
 )
 def test_bad_arguments_are_rejected(kwargs, match):
