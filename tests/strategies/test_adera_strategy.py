@@ -1,0 +1,152 @@
+"""AdERAStrategy in a Lightning ``Trainer``: 2 gloo processes, bitwise equal to ModelParallelStrategy.
+
+The test forks the two ranks itself and sets ``LOCAL_RANK`` & co., so Lightning does not launch
+processes (it would re-run the pytest command line).
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ada_modules.strategies import AdERAStrategy
+
+WORLD_SIZE = 2
+STEPS = 12
+
+
+class _MLP(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(16, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 4)
+        )
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.net, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: list, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(STEPS * WORLD_SIZE * 8, 16, generator=gen)
+        return DataLoader(TensorDataset(x, torch.sin(x[:, :4])), batch_size=8)
+
+
+def _fit(
+    strategy, tmp: str, max_steps: int = STEPS, ckpt: str | None = None
+) -> tuple[list, Trainer]:
+    model = _MLP()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=WORLD_SIZE,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp,
+    )
+    trainer.fit(model, ckpt_path=ckpt)
+    params = [p.to_local().detach().clone() for p in model.parameters()]
+    return params, trainer
+
+
+def _same(a: list, b: list) -> bool:
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(WORLD_SIZE),
+        NODE_RANK="0",
+        LOCAL_RANK=str(rank),
+        RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    sizes = {"data_parallel_size": WORLD_SIZE, "tensor_parallel_size": 1}
+    try:
+        plain, _ = _fit(ModelParallelStrategy(**sizes), tmp)
+        adera_strategy = AdERAStrategy(**sizes, mode="always", min_numel=1024, check_caches=True)
+        adera, trainer = _fit(adera_strategy, tmp)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if "adera" in k}
+        auto, _ = _fit(AdERAStrategy(**sizes, min_numel=1024), tmp)  # calibrates at setup
+        # resume halfway, with each strategy: AdERA's caches are rebuilt, so both runs agree
+        factories = {
+            "plain": lambda: ModelParallelStrategy(**sizes),
+            "adera": lambda: AdERAStrategy(**sizes, mode="always", min_numel=1024),
+        }
+        resumed = {}
+        for name, make in factories.items():
+            _, trainer = _fit(make(), tmp, STEPS // 2)
+            path = os.path.join(tmp, f"{name}.ckpt")
+            trainer.save_checkpoint(path)
+            resumed[name], trainer = _fit(make(), tmp, ckpt=path)
+        resumed_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if "adera" in k}
+        queue.put(
+            (
+                rank,
+                {
+                    "equal": _same(plain, adera),
+                    "auto_equal": _same(plain, auto),
+                    "resumed_equal": _same(resumed["plain"], resumed["adera"]),
+                    "metrics": metrics,
+                    "resumed_metrics": resumed_metrics,
+                },
+            )
+        )
+    except Exception as exc:
+        queue.put((rank, {"error": repr(exc)}))
+        raise
+
+
+@pytest.mark.distributed
+def test_strategy_matches_model_parallel_and_resumes_exactly(tmp_path):
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    processes = [
+        context.Process(target=_worker, args=(rank, port, str(tmp_path), queue))
+        for rank in range(WORLD_SIZE)
+    ]
+    for process in processes:
+        process.start()
+    results = dict(queue.get(timeout=300) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    for rank in range(WORLD_SIZE):
+        result = results[rank]
+        assert "error" not in result, result
+        assert result["equal"] and result["auto_equal"] and result["resumed_equal"], result
+        assert result["resumed_metrics"]["train/adera_compressed_gathers"] > 0
+        metrics = result["metrics"]
+        assert metrics["train/adera_compressed_gathers"] > 0
+        assert metrics["train/adera_compressed_bytes_ratio"] < 0.85
+        assert 0.5 < metrics["train/adera_reuse_rate"] <= 1.0
