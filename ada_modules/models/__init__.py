@@ -6,6 +6,7 @@ implementation, an optimizer), so a baseline and a technique differ by one YAML 
 
 from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
+from ada_modules.models.moe import MoELMModule
 from ada_modules.models.on_policy import OnPolicyModule
 
-__all__ = ["CausalLMModule", "ImageClassifierModule", "OnPolicyModule"]
+__all__ = ["CausalLMModule", "ImageClassifierModule", "OnPolicyModule", "MoELMModule"]

@@ -15,6 +15,7 @@ from ada_modules.nn.ancre_adapters import (
     wrap_hf_decoder,
     wrap_timm,
 )
+from ada_modules.nn.moe import MoELayer, Routing, StackedExperts, load_balancing_loss
 
 __all__ = [
     "ANCReStack",
@@ -28,4 +29,8 @@ __all__ = [
     "wrap_hf_decoder",
     "wrap_module_list",
     "wrap_timm",
+    "MoELayer",
+    "Routing",
+    "StackedExperts",
+    "load_balancing_loss",
 ]
