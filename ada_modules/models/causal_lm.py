@@ -132,6 +132,10 @@ class CausalLMModule(LightningModule):
             recipe; :func:`~ada_modules.optim.param_groups.split_param_groups`).
         lr_scheduler: Builds a per-step learning-rate scheduler from the optimizer, if given.
         max_new_tokens: Generation budget per completion.
+        generation_kwargs: Further arguments of every ``generate`` call (greedy decoding stays),
+            e.g. ``{"prefill_chunk_size": 16}`` to prefill prompts in chunks that attend to the
+            cache, so that a quantized cache is read when the prompt's last tokens are processed
+            and not only when decoding.
         model_wrapper: Called once as ``model_wrapper(model)`` on the built Hugging Face model to
             change it in place, e.g. :class:`~ada_modules.nn.ConnectivityWrapper` to learn the
             residual connectivity of the decoder layers; ``None`` keeps the model as built.
@@ -181,6 +185,7 @@ class CausalLMModule(LightningModule):
         radii: dict[str, float] | None = None,
         aux_optimizer: OptimizerCallable | None = None,
         max_new_tokens: int = 32,
+        generation_kwargs: dict[str, Any] | None = None,
         model_wrapper: Callable[[PreTrainedModel], Any] | None = None,
     ) -> None:
         super().__init__()
@@ -252,6 +257,13 @@ class CausalLMModule(LightningModule):
         self.radii = radii
         self.aux_optimizer = aux_optimizer
         self.max_new_tokens = max_new_tokens
+        reserved = {"input_ids", "attention_mask", "max_new_tokens", "cache", "do_sample"}
+        if generation_kwargs and reserved & set(generation_kwargs):
+            raise ValueError(
+                f"generation_kwargs may not set {sorted(reserved & set(generation_kwargs))}: "
+                "the module sets them"
+            )
+        self.generation_kwargs = dict(generation_kwargs or {})
         self.eval_metrics = nn.ModuleDict(
             {f"{stage}_{name}": MeanMetric() for stage in ("val", "test") for name in _EVAL_METRICS}
         )
@@ -296,6 +308,7 @@ class CausalLMModule(LightningModule):
             attention_mask=prompt_mask,
             max_new_tokens=self.max_new_tokens,
             return_dict_in_generate=True,
+            **self.generation_kwargs,
             **kwargs,
         )
         if prompt_ids.is_cuda:

@@ -158,6 +158,24 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone():
         assert batched[row] == alone[0], row
 
 
+def test_chunked_prefill_through_generation_kwargs_gives_the_same_greedy_completions(datamodule):
+    torch.manual_seed(0)
+    plain = CausalLMModule(**{**TINY, "num_layers": 2, "max_new_tokens": 6}).eval()
+    chunked = CausalLMModule(
+        **{**TINY, "num_layers": 2, "max_new_tokens": 6},
+        generation_kwargs={"prefill_chunk_size": 4},
+    ).eval()
+    chunked.load_state_dict(plain.state_dict())
+    batch = next(iter(datamodule.test_dataloader()))
+    assert batch["prompt_ids"].shape[1] > 8  # several chunks
+    expected = plain.generate(batch["prompt_ids"], batch["prompt_mask"])
+    got = chunked.generate(batch["prompt_ids"], batch["prompt_mask"])
+    assert got.completions == expected.completions
+    assert got.cache.get_seq_length() == expected.cache.get_seq_length()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        CausalLMModule(**TINY, generation_kwargs={"max_new_tokens": 3})
+
+
 def test_cache_factory_is_called_for_every_generate(datamodule):
     calls = []
 
