@@ -59,7 +59,7 @@ _T = Technique
 TECHNIQUES: tuple[Technique, ...] = (
     _T("AdaKVQ", "adakvq", "KV cache + Triton kernels",
        "Per-layer KV-cache bit widths chosen from each layer's average attention distance.",
-       status="in progress", issue=3),
+       status="implemented", issue=3),
     _T("AdaCal", "adacal", "Attention function + Triton kernel",
        "Sparse prefill attention whose per-head budget is set from a cheap probe."),
     _T("AdERA", "adera", "Lightning Strategy (FSDP2)",

@@ -29,16 +29,26 @@ thread; absolute times on a shared CPU mean little, the ratios in one run do. Ke
 per-channel offsets and a slow drift (``N(0,1) + 4·sin(channel) + 0.002·t``) so that per-channel
 ranges differ between blocks, as post-RoPE keys do.
 
+3. With ``--profiles SWEEP [SWEEP ...]`` instead: the AAD profiles and bit allocations of AdaKVQ
+   sweeps (``cli_configs/adakvq/repro.yaml``, ``repro_arith.yaml``), which write each seed's
+   profile to ``<sweep>/shared_fit/seed_<s>/aad/aad_profile.json``: per layer the normalised AAD
+   and its fluctuation over positions (mean ± std over seeds) and the per-head range; per seed the
+   widths ``allocate_bits`` gives under ``--budget`` for the AdaKVQ (``dp``), ``reverse`` and
+   ``random`` arms; and ``aad_layers.png`` (per-layer AAD of each sweep) in ``--out``.
+
 Run it::
 
     .venv/bin/python bench/adakvq.py            # T = 2000, ~40 s on 2 cores
     .venv/bin/python bench/adakvq.py --quick    # T = 500, ~10 s
+    .venv/bin/python bench/adakvq.py --profiles sweeps/adakvq sweeps/adakvq_arith \\
+        --out docs/techniques/img/adakvq
 
 Prints markdown tables and writes ``adakvq.json`` to ``--out``. Reports only; no assertion.
 """
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -46,9 +56,11 @@ from typing import Any
 import torch
 
 from ada_modules.kernels.kv_quant import QuantizedKV, quantize_keys, quantize_values
+from ada_modules.kv import AADProfile, allocate_bits
 from ada_modules.kv.quantized_layer import QuantizedKVLayer
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
+HEAD_DIM_TINY = 16  # the head dim of the repro sweeps' tiny models (value groups of 16)
 ARMS: list[tuple[str, int | None]] = [
     ("FP16", None),
     ("KIVI-2", 2),
@@ -124,6 +136,86 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def profiles(sweep: Path) -> dict[int, AADProfile]:
+    """The AAD profile of each seed's shared fit, by seed."""
+    found = {}
+    for path in sorted(sweep.glob("shared_fit/seed_*/aad/aad_profile.json")):
+        seed = int(re.search(r"seed_(\d+)", str(path)).group(1))
+        found[seed] = AADProfile.from_json(path)
+    if not found:
+        raise SystemExit(f"no shared_fit/seed_*/aad/aad_profile.json under {sweep}")
+    return found
+
+
+def mean_std(values: torch.Tensor) -> str:
+    """``mean ± std`` over the first axis (population std over 1 value is 0)."""
+    return f"{values.mean():.3f} ± {values.std(unbiased=False):.3f}"
+
+
+def report(sweep: Path, budget: float, group_size: int) -> torch.Tensor:
+    """Print the tables of one sweep; return its per-layer nAAD, ``(seeds, layers)``."""
+    by_seed = profiles(sweep)
+    means = torch.stack([p.layer_mean() for p in by_seed.values()])
+    stds = torch.stack([p.layer_std() for p in by_seed.values()])
+    heads = torch.stack([p.head_mean() for p in by_seed.values()])  # (seeds, layers, heads)
+    print(f"\n## {sweep}: AAD per layer over seeds {sorted(by_seed)}\n")
+    print("| layer | nAAD (mean over heads, positions) | std over positions | head range |")
+    print("| ---: | --- | --- | --- |")
+    for layer in range(means.shape[1]):
+        low, high = heads[:, layer].min().item(), heads[:, layer].max().item()
+        print(
+            f"| {layer} | {mean_std(means[:, layer])} | {mean_std(stds[:, layer])} | "
+            f"{low:.2f} … {high:.2f} |"
+        )
+    print(f"\n### Widths (keys / values per layer) at budget {budget} bits per element\n")
+    print("| seed | nAAD per layer | AdaKVQ (dp) | reverse | random |")
+    print("| ---: | --- | --- | --- | --- |")
+    for seed, profile in by_seed.items():
+        cells = []
+        for method in ("dp", "reverse", "random"):
+            allocation = allocate_bits(
+                profile,
+                budget,
+                method=method,
+                group_size=group_size,
+                head_dim=HEAD_DIM_TINY,
+                seed=seed,
+            )
+            cells.append(f"K {allocation.key_bits} / V {allocation.value_bits}")
+        naad = ", ".join(f"{v:.3f}" for v in profile.layer_mean().tolist())
+        print(f"| {seed} | {naad} | {' | '.join(cells)} |")
+    return means
+
+
+def plot_profiles(sweeps: list[Path], budget: float, group_size: int, out: Path) -> None:
+    """Print the AAD/allocation tables of each sweep and plot their per-layer AAD."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for sweep in sweeps:
+        means = report(sweep, budget, group_size)
+        layers = list(range(means.shape[1]))
+        ax.errorbar(
+            layers,
+            means.mean(0),
+            yerr=means.std(0, unbiased=False),
+            marker="o",
+            capsize=3,
+            label=f"{sweep.name} ({means.shape[0]} seeds)",
+        )
+        ax.set_xticks(layers)
+    ax.axhline(0.5, color="grey", linestyle=":", label="uniform attention")
+    ax.set(xlabel="layer", ylabel="normalised AAD", title="AAD per layer (mean ± std over seeds)")
+    ax.legend(fontsize=8)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out / "aad_layers.png", dpi=120)
+    print(f"\nwrote {out / 'aad_layers.png'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T = 500 tokens")
@@ -132,7 +224,17 @@ def main() -> None:
     parser.add_argument("--residual", type=int, default=32, help="residual window (R)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench_out/adakvq"))
+    parser.add_argument(
+        "--profiles",
+        type=Path,
+        nargs="+",
+        help="instead: AAD/allocation tables and figure of these AdaKVQ sweep folders",
+    )
+    parser.add_argument("--budget", type=float, default=4.5, help="with --profiles: stored bits")
     args = parser.parse_args()
+    if args.profiles:
+        plot_profiles(args.profiles, args.budget, 16, args.out)
+        return
     torch.set_num_threads(1)
     tokens = args.tokens or (500 if args.quick else 2000)
     wall = time.perf_counter()
