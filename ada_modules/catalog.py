@@ -76,7 +76,7 @@ TECHNIQUES: tuple[Technique, ...] = (
        "Input-dependent multi-stream residual mixing for multi-PDE operator transformers."),
     _T("ANCRe", "ancre", "nn.Module + Callback",
        "Learned residual connectivity over earlier layer states, identity at initialisation.",
-       status="in progress", issue=6),
+       status="implemented", issue=6),
     _T("AMPS", "amps", "Steering hooks + nn.Module",
        "Per-instance strength for modality-preference steering of multimodal models."),
     _T("AMARIS", "amaris", "Model-merging function",

@@ -27,7 +27,8 @@ run), prints, per variant, the steps until ``--metric`` first reaches ``--curve-
 (default: the ``residual`` variant's mean final value, i.e. the steps to reach the baseline's final
 quality) and its final value (mean ± std over seeds), and plots the mean curve per variant to
 ``--out/<sweep>_curve.png``. ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual``
-(mean over seeds) of the ``ancre_source`` runs' final checkpoints to ``--out/connectivity.png``.
+(mean over seeds) of the ``--variant`` runs' final checkpoints (default ``ancre_source``; give
+``--lr-scale`` for a variant trained with one) to ``--out/connectivity_<variant>.png``.
 
 Runs on one thread. Writes ``ancre.json`` (and ``deep_linear.png``, the loss curves of seed 0) to
 ``--out``. Reports only; no assertion on the numbers.
@@ -317,10 +318,13 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
     return summary
 
 
-def plot_connectivity(folders: list[str], out: Path, variant: str = "ancre_source") -> None:
+def plot_connectivity(
+    folders: list[str], out: Path, variant: str = "ancre_source", lr_scale: float = 1.0
+) -> None:
     """Plot ``W - W_residual`` (mean over seeds) of the routers in each sweep's final checkpoints.
 
-    Assumes one ``"source"``-mode router per model (the reproductions' set-up).
+    Assumes one ``"source"``-mode router per model (the reproductions' set-up), built with
+    ``lr_scale`` (checkpoints store the coefficients divided by it).
     """
     fig, axes = plt.subplots(1, len(folders), figsize=(5 * len(folders), 4.2), squeeze=False)
     for ax, folder in zip(axes[0], folders, strict=True):
@@ -328,8 +332,8 @@ def plot_connectivity(folders: list[str], out: Path, variant: str = "ancre_sourc
         for ckpt in sorted(Path(folder).glob(f"runs/{variant}/seed_*/checkpoints/last.ckpt")):
             state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
             prefix = next(k for k in state if k.endswith(".logits"))[: -len("logits")]
-            gate = state[prefix + "gate"]
-            router = ConnectivityRouter(gate.numel() + 1, mode="source")
+            gate = state[prefix + "gate"] * lr_scale
+            router = ConnectivityRouter(gate.numel() + 1, mode="source", lr_scale=lr_scale)
             router.load_state_dict(
                 {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
             )
@@ -345,7 +349,7 @@ def plot_connectivity(folders: list[str], out: Path, variant: str = "ancre_sourc
         ax.set_ylabel("block i")
         fig.colorbar(image, ax=ax)
     fig.tight_layout()
-    fig.savefig(out / "connectivity.png", dpi=110)
+    fig.savefig(out / f"connectivity_{variant}.png", dpi=110)
     plt.close(fig)
 
 
@@ -361,6 +365,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=3.0, help="A = scale * G / sqrt(d)")
     parser.add_argument("--curves", nargs="*", default=None, help="sweep folders to read")
     parser.add_argument("--metric", default="val/loss")
+    parser.add_argument("--variant", default="ancre_source", help="with --connectivity")
+    parser.add_argument("--lr-scale", type=float, default=1.0, help="the variant's lr_scale")
     parser.add_argument(
         "--connectivity", nargs="*", default=None, help="sweep folders: plot learned W - residual"
     )
@@ -372,7 +378,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if args.connectivity:
-        plot_connectivity(args.connectivity, args.out)
+        plot_connectivity(args.connectivity, args.out, args.variant, args.lr_scale)
         return
     if args.curves:
         results = run_curves(args)
