@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
@@ -54,6 +55,9 @@ from ada_modules.kernels._dispatch import Impl
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
+    from torch.optim import Optimizer
+
+    from ada_modules.strategies.adera_sim import Trace
 
 try:  # FSDP2's custom-comm interface: torch >= 2.9
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
@@ -65,10 +69,12 @@ __all__ = [
     "AdERAAllGather",
     "AdERAStrategy",
     "CostModel",
+    "GatherRecord",
     "GatherStats",
     "Mode",
     "install_adera_all_gather",
     "require_custom_all_gather",
+    "trace_from_records",
     "verify_exponent_caches",
 ]
 
@@ -192,6 +198,51 @@ class GatherStats:
             compressed_bytes_ratio=self.compressed_bytes_ratio,
         )
         return out
+
+
+@dataclass(frozen=True)
+class GatherRecord:
+    """One all-gather as recorded for a simulator trace (see ``AdERAAllGather.trace``).
+
+    Times are ``time.perf_counter()`` readings of this rank.
+
+    Attributes:
+        group: Name of the parameter group (the FSDP module's name; ``"<root>"`` for the root).
+        numel: Elements of the whole group (all ranks).
+        dtype: Gathered dtype: ``"bf16"``, ``"fp32"``, or ``str(dtype)`` for any other.
+        phase: ``"backward"`` when called from inside autograd's backward, else ``"forward"``.
+        start_s: When the gather was called.
+        end_s: When the gathered weights were in the output (the gather's wall time is
+            ``end_s - start_s``: encode, all-gather(s), decode and cache update).
+        ready_s: When the call returned; after ``end_s`` only the trace's own bookkeeping ran
+            (counting the exponent changes of a group that keeps no cache), which is not compute.
+        codec_s: Of the wall time, encode + decode + cache-update time.
+        compressed: Whether it was sent as codec payloads.
+        spilled: Whether a spill all-gather followed.
+        bytes_sent: Bytes all ranks contributed.
+        raw_bytes: Bytes the default all-gather would have contributed.
+        changed: Exponents that differ from the previous gather of the group (all ranks); ``None``
+            for the first gather of a group (nothing to compare with).
+        ranks: Size of the process group of the gather.
+    """
+
+    group: str
+    numel: int
+    dtype: str
+    phase: str
+    start_s: float
+    end_s: float
+    ready_s: float
+    codec_s: float
+    compressed: bool
+    spilled: bool
+    bytes_sent: int
+    raw_bytes: int
+    changed: int | None
+    ranks: int = 1
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,6 +405,11 @@ class AdERAAllGather(_AllGatherBase):
     cache of its parameter group (``world_size * shard_numel`` bytes on every rank) and its
     :attr:`stats`.
 
+    Set ``trace`` to a list (several instances may share one) to append a :class:`GatherRecord`
+    per call, in call order (:class:`AdERAStrategy` does so with ``trace_path``). A group that
+    keeps no cache (mode ``"never"``, below ``min_numel``) then keeps a trace-only copy of its
+    exponents to count the changes, outside the timed gather.
+
     Args:
         mode: ``"auto"`` (compress when ``cost_model`` predicts a saving), ``"always"`` or
             ``"never"``.
@@ -430,7 +486,9 @@ class AdERAAllGather(_AllGatherBase):
         self.name = name
         self.stats = GatherStats()
         self.last_compressed: bool | None = None
+        self.trace: list[GatherRecord] | None = None
         self._cache: torch.Tensor | None = None
+        self._trace_cache: torch.Tensor | None = None
         self._history: deque[int] = deque(maxlen=window)
 
     # FSDP2 protocol -----------------------------------------------------------------------------
@@ -464,6 +522,8 @@ class AdERAAllGather(_AllGatherBase):
             _all_gather(reference, input_tensor.clone(), group=group)
 
         stats = self.stats
+        before = GatherStats(**asdict(stats)) if self.trace is not None else None
+        call_start = time.perf_counter()
         stats.gathers += 1
         stats.elements += world * numel
         raw = codec.raw_nbytes(numel, dtype) * world
@@ -483,6 +543,8 @@ class AdERAAllGather(_AllGatherBase):
             stats.bytes_sent += raw
             if tracked:
                 self._refresh_cache(output_tensor, world)
+        if before is not None:
+            self._append_record(before, call_start, output_tensor, world, tracked)
         if reference is not None and not torch.equal(
             _int_bits(output_tensor), _int_bits(reference)
         ):
@@ -492,6 +554,46 @@ class AdERAAllGather(_AllGatherBase):
             )
 
     # Internals ----------------------------------------------------------------------------------
+
+    def _append_record(
+        self,
+        before: GatherStats,
+        start: float,
+        output_tensor: torch.Tensor,
+        world: int,
+        tracked: bool,
+    ) -> None:
+        end = time.perf_counter()
+        stats, dtype = self.stats, output_tensor.dtype
+        changed: int | None = None
+        if tracked:
+            if stats.tracked_elements > before.tracked_elements:
+                changed = stats.changed_exponents - before.changed_exponents
+            self._trace_cache = None
+        elif dtype in codec.SUPPORTED_DTYPES:
+            new = codec.extract_exponents(output_tensor.detach().reshape(-1))
+            if self._trace_cache is not None and self._trace_cache.numel() == new.numel():
+                changed = int((new != self._trace_cache).sum())
+            self._trace_cache = new
+        self.trace.append(
+            GatherRecord(
+                group=self.name or "<root>",
+                numel=output_tensor.numel(),
+                dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
+                # Inside autograd's backward (FSDP2's pre-backward re-gather) a graph task runs.
+                phase="backward" if torch._C._current_graph_task_id() != -1 else "forward",
+                start_s=start,
+                end_s=end,
+                ready_s=time.perf_counter(),
+                codec_s=stats.codec_time_s - before.codec_time_s,
+                compressed=stats.compressed_gathers > before.compressed_gathers,
+                spilled=stats.spill_gathers > before.spill_gathers,
+                bytes_sent=stats.bytes_sent - before.bytes_sent,
+                raw_bytes=stats.raw_bytes - before.raw_bytes,
+                changed=changed,
+                ranks=world,
+            )
+        )
 
     def _tracks(self, group_numel: int, dtype: torch.dtype) -> bool:
         if self.mode == "never":
@@ -627,6 +729,7 @@ class AdERAAllGather(_AllGatherBase):
     def reset_cache(self) -> None:
         """Forget the cache: the next gather of the group is sent raw and rebuilds it."""
         self._cache = None
+        self._trace_cache = None
         self._history.clear()
 
 
@@ -698,6 +801,94 @@ def verify_exponent_caches(
         )
 
 
+def trace_from_records(
+    steps: "Iterable[tuple[list[GatherRecord], float, float, float]]",
+    world_size: int,
+    method: Literal["raw", "adera"],
+    meta: dict[str, Any] | None = None,
+) -> "Trace":
+    """Turn recorded training steps into a simulator :class:`~ada_modules.strategies.adera_sim.Trace`.
+
+    Each step is ``(records, start_s, backward_end_s, end_s)``: the step's
+    :class:`GatherRecord` in call order and ``perf_counter`` readings at the start of the training
+    step, at the end of its backward and at the end of its optimizer step. Per gather, the event's
+    ``compute_s`` is the time from the gather's ``ready_s`` to the next gather's start (the last
+    one's: to the end of the backward), so it holds the compute and the gradient reduce-scatters
+    that ran in between (``reduce_scatter_numel`` is left 0); ``other_s`` (mean over steps) is the
+    rest of the step: before the first gather and after the backward (optimizer step). A
+    compressed gather's wall time goes to ``adera_gather_s`` (with ``codec_s``), any other's, less
+    its cache update, to ``gather_s``. ``change_rate`` is ``changed / numel``, or 1 for a first
+    gather (no cache: every exponent is new). ``measured_step_s[method]`` is the mean step time
+    (``end_s - start_s``, less the trace's own bookkeeping, ``ready_s - end_s`` of every gather);
+    ``meta["steps"]`` holds per-step times and byte counts. Gathers of other
+    dtypes than bf16/fp32 are left out (named in ``meta["skipped_groups"]``).
+
+    Examples:
+        >>> record = GatherRecord("experts", 4096, "bf16", "forward", 1.0, 1.25, 1.25, 0.0,
+        ...                       False, False, 16384, 16384, 41)
+        >>> trace = trace_from_records([([record], 0.5, 2.0, 2.5)], world_size=2, method="raw")
+        >>> event = trace.events[0]
+        >>> event.gather_s, event.compute_s, trace.other_s, trace.measured_step_s
+        (0.25, 0.75, 1.0, {'raw': 2.0})
+        >>> round(event.change_rate, 4)
+        0.01
+    """
+    from ada_modules.strategies.adera_sim import GatherEvent, Trace
+
+    events: list[GatherEvent] = []
+    per_step: list[dict[str, float]] = []
+    skipped: set[str] = set()
+    for step, (records, start_s, backward_end_s, end_s) in enumerate(steps):
+        kept = [r for r in records if r.dtype in ("bf16", "fp32")]
+        skipped.update(r.group for r in records if r.dtype not in ("bf16", "fp32"))
+        for order, record in enumerate(kept):
+            following = kept[order + 1].start_s if order + 1 < len(kept) else backward_end_s
+            wall = record.end_s - record.start_s
+            events.append(
+                GatherEvent(
+                    group=record.group,
+                    numel=record.numel,
+                    dtype=record.dtype,
+                    change_rate=1.0 if record.changed is None else record.changed / record.numel,
+                    order=order,
+                    phase=record.phase,
+                    compute_s=max(following - record.ready_s, 0.0),
+                    step=step,
+                    gather_s=None if record.compressed else max(wall - record.codec_s, 0.0),
+                    adera_gather_s=wall if record.compressed else None,
+                    codec_s=record.codec_s if record.compressed else None,
+                )
+            )
+        compressed = [r for r in records if r.compressed]
+        first = records[0].start_s if records else backward_end_s
+        overhead = sum(r.ready_s - r.end_s for r in records)
+        per_step.append(
+            {
+                "step_s": end_s - start_s - overhead,
+                "trace_overhead_s": overhead,
+                "other_s": max(first - start_s, 0.0) + max(end_s - backward_end_s, 0.0),
+                "gathers": len(records),
+                "compressed_gathers": len(compressed),
+                "spill_gathers": sum(r.spilled for r in records),
+                "bytes_sent": sum(r.bytes_sent for r in records),
+                "raw_bytes": sum(r.raw_bytes for r in records),
+                "compressed_bytes_sent": sum(r.bytes_sent for r in compressed),
+                "compressed_raw_bytes": sum(r.raw_bytes for r in compressed),
+            }
+        )
+    if not per_step:
+        raise ValueError("no training step was recorded")
+    info = dict(meta or {})
+    info.update(steps=per_step, skipped_groups=sorted(skipped), method=method)
+    return Trace(
+        events=events,
+        world_size=world_size,
+        other_s=sum(s["other_s"] for s in per_step) / len(per_step),
+        measured_step_s={method: sum(s["step_s"] for s in per_step) / len(per_step)},
+        meta=info,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # The Lightning strategy
 # ----------------------------------------------------------------------------------------------
@@ -717,6 +908,15 @@ class AdERAStrategy(ModelParallelStrategy):
     sent raw and rebuilds them) and checked across ranks at the next training step, so a resumed
     run stays exact.
 
+    With ``trace_path``, every all-gather of every training step is timed on every rank (also in
+    mode ``"never"``, where the gathers are the default ones, so a raw run can be compared with an
+    AdERA run), and at the end of fit rank 0 writes a simulator trace
+    (:class:`~ada_modules.strategies.adera_sim.Trace` JSON, see :func:`trace_from_records`): per
+    gather its group, size, dtype, exponent change rate, phase, wall time, codec time and the
+    compute until the next gather, plus the mean step time under ``measured_step_s["raw"]`` (mode
+    ``"never"``) or ``["adera"]``. Recording costs a few ``perf_counter`` calls per gather, and for
+    groups that keep no cache one exponent comparison after the timed gather.
+
     Args:
         data_parallel_size: As for ``ModelParallelStrategy``.
         tensor_parallel_size: As for ``ModelParallelStrategy``.
@@ -735,6 +935,8 @@ class AdERAStrategy(ModelParallelStrategy):
         check_caches: Debug: compare the exponent caches across ranks after every training step.
         log_stats: Log the per-step statistics with ``LightningModule.log_dict``.
         impl: Codec implementation (``"auto"``: Triton on CUDA, torch otherwise).
+        trace_path: Write a simulator trace of the training steps to this JSON file at the end of
+            fit (rank 0; parent folders are created). ``None``: record nothing.
 
     Raises:
         RuntimeError: At setup, if this torch has no FSDP2 custom all-gather (torch < 2.9).
@@ -762,7 +964,10 @@ class AdERAStrategy(ModelParallelStrategy):
         check_caches: bool = False,
         log_stats: bool = True,
         impl: Impl = "auto",
+        trace_path: str | None = None,
     ) -> None:
+        if trace_path is not None and (not isinstance(trace_path, str) or not trace_path):
+            raise ValueError(f"trace_path must be None or a non-empty path, got {trace_path!r}")
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -782,9 +987,14 @@ class AdERAStrategy(ModelParallelStrategy):
         self.check_caches = check_caches
         self.log_stats = log_stats
         self.impl: Impl = impl
+        self.trace_path = trace_path
         self.cost_model: CostModel | None = None
         self.comms: dict[str, AdERAAllGather] = {}
         self._verify_next = False
+        self._trace_records: list[GatherRecord] = []
+        self._trace_steps: list[tuple[list[GatherRecord], float, float, float]] = []
+        self._step_start: float | None = None
+        self._backward_end: float | None = None
 
     @property
     def stats(self) -> GatherStats:
@@ -813,9 +1023,18 @@ class AdERAStrategy(ModelParallelStrategy):
             shadow=self.shadow,
             impl=self.impl,
         )
+        if self.trace_path is not None:
+            self._trace_records.clear()
+            self._trace_steps.clear()
+            for comm in self.comms.values():
+                comm.trace = self._trace_records
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's training step, then log and reset the AdERA statistics."""
+        if self.trace_path is not None:  # gathers before this (validation) are not recorded
+            self._trace_records.clear()
+            self._backward_end = None
+            self._step_start = time.perf_counter()
         output = super().training_step(*args, **kwargs)
         if self.check_caches or self._verify_next:
             verify_exponent_caches(self.comms.values(), device=self.root_device)
@@ -835,6 +1054,49 @@ class AdERAStrategy(ModelParallelStrategy):
         for comm in self.comms.values():
             comm.stats.reset()
         return output
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        """Note when the backward pass ended (for the trace)."""
+        super().post_backward(closure_loss)
+        if self.trace_path is not None:
+            self._backward_end = time.perf_counter()
+
+    def optimizer_step(
+        self, optimizer: "Optimizer", closure: Callable[[], Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Step as ``ModelParallelStrategy`` does; with ``trace_path``, close the step's record."""
+        output = super().optimizer_step(optimizer, closure, *args, **kwargs)
+        if self.trace_path is not None and self._step_start is not None:
+            end = time.perf_counter()
+            backward_end = self._backward_end if self._backward_end is not None else end
+            self._trace_steps.append(
+                (list(self._trace_records), self._step_start, backward_end, end)
+            )
+            self._trace_records.clear()
+            self._step_start = None
+        return output
+
+    def on_train_end(self) -> None:
+        """With ``trace_path``: rank 0 writes the trace of the recorded training steps."""
+        super().on_train_end()
+        if self.trace_path is None or not self._trace_steps or self.global_rank != 0:
+            return
+        ranks = [r.ranks for records, *_ in self._trace_steps for r in records]
+        trace = trace_from_records(
+            self._trace_steps,
+            world_size=max(ranks, default=self.world_size),
+            method="raw" if self.mode == "never" else "adera",
+            meta={
+                "mode": self.mode,
+                "min_numel": self.min_numel,
+                "chunk_size": self.chunk_size,
+                "torch": torch.__version__,
+                "device": str(self.root_device),
+            },
+        )
+        path = Path(self.trace_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        trace.to_json(path)
 
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None

@@ -150,3 +150,100 @@ def test_strategy_matches_model_parallel_and_resumes_exactly(tmp_path):
         assert metrics["train/adera_compressed_gathers"] > 0
         assert metrics["train/adera_compressed_bytes_ratio"] < 0.85
         assert 0.5 < metrics["train/adera_reuse_rate"] <= 1.0
+
+
+TRACE_STEPS = 6
+
+
+def _trace_worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(WORLD_SIZE),
+        NODE_RANK="0",
+        LOCAL_RANK=str(rank),
+        RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    sizes = {"data_parallel_size": WORLD_SIZE, "tensor_parallel_size": 1}
+    try:
+        for mode in ("always", "never"):
+            path = os.path.join(tmp, mode, "trace.json")  # the folder does not exist yet
+            strategy = AdERAStrategy(**sizes, mode=mode, min_numel=1024, trace_path=path)
+            _fit(strategy, tmp, max_steps=TRACE_STEPS)
+        queue.put((rank, {}))
+    except Exception as exc:
+        queue.put((rank, {"error": repr(exc)}))
+        raise
+
+
+@pytest.mark.distributed
+def test_trace_path_records_raw_and_adera_runs(tmp_path):
+    from ada_modules.strategies.adera_sim import Trace
+
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    processes = [
+        context.Process(target=_trace_worker, args=(rank, port, str(tmp_path), queue))
+        for rank in range(WORLD_SIZE)
+    ]
+    for process in processes:
+        process.start()
+    results = dict(queue.get(timeout=300) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+    assert all("error" not in r for r in results.values()), results
+
+    traces = {m: Trace.from_json(tmp_path / m / "trace.json") for m in ("always", "never")}
+    adera, raw = traces["always"], traces["never"]
+    assert set(adera.measured_step_s) == {"adera"} and set(raw.measured_step_s) == {"raw"}
+    assert adera.world_size == raw.world_size == WORLD_SIZE
+    assert adera.steps == raw.steps == list(range(TRACE_STEPS))
+    sizes = {2176, 16512, 516}  # the three Linear layers' parameters (weights + biases)
+    for trace in (adera, raw):
+        for step in trace.steps:
+            events = trace.step_events(step)
+            phases = [e.phase for e in events]
+            n_forward = phases.count("forward")
+            assert phases == ["forward"] * n_forward + ["backward"] * (len(events) - n_forward)
+            assert {e.numel for e in events} == sizes and n_forward == 3
+            assert all(e.change_rate == 0 for e in events if e.phase == "backward")
+            assert all(e.compute_s >= 0 and e.dtype == "fp32" for e in events)
+            timed = sum((e.gather_s or 0) + (e.adera_gather_s or 0) + e.compute_s for e in events)
+            assert timed <= trace.meta["steps"][step]["step_s"]
+        # the first gather of a group has no cache: every exponent counts as new
+        assert all(e.change_rate == 1 for e in trace.step_events(0) if e.phase == "forward")
+    # Same weights in both runs (bitwise equal training), so the same exponent changes,
+    # counted by the codec in one run and by the trace's own comparison in the other.
+    for a, r in zip(adera.events, raw.events, strict=True):
+        assert (a.group, a.phase, a.change_rate) == (r.group, r.phase, r.change_rate)
+    assert sum(e.change_rate for e in adera.events if e.step > 0 and e.phase == "forward") > 0
+    for e in adera.events:
+        # tracked groups: all but the first gather (step 0's forward, which builds the cache)
+        compressed = e.numel >= 1024 and (e.step > 0 or e.phase == "backward")
+        assert (e.adera_gather_s is not None) == compressed
+        assert (e.gather_s is None) == compressed
+        assert e.codec_s is None or e.codec_s > 0
+    assert all(e.gather_s is not None and e.adera_gather_s is None for e in raw.events)
+    steps = adera.meta["steps"]
+    assert [s["compressed_gathers"] for s in steps[1:]] == [4] * (TRACE_STEPS - 1)
+    assert all(s["compressed_bytes_sent"] < s["compressed_raw_bytes"] for s in steps[1:])
+    for trace, method in ((adera, "adera"), (raw, "raw")):
+        step_s = [s["step_s"] for s in trace.meta["steps"]]
+        assert trace.measured_step_s[method] == pytest.approx(sum(step_s) / len(step_s))
+
+
+def test_trace_path_is_validated():
+    for bad in ("", 3):
+        with pytest.raises(ValueError, match="trace_path"):
+            AdERAStrategy(trace_path=bad)
+
+
+def test_trace_from_records_needs_a_step():
+    from ada_modules.strategies.adera import trace_from_records
+
+    with pytest.raises(ValueError, match="no training step"):
+        trace_from_records([], world_size=2, method="raw")
