@@ -3,8 +3,13 @@
 The scripts run as ``python bench/gpu/<slug>.py``, so this folder is on ``sys.path``.
 """
 
+import json
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,3 +38,33 @@ def sync(device: torch.device) -> None:
     """Wait for queued work on ``device``."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def run_sections(sections: list[tuple[str, Callable[[], None], float]], guard: Guard) -> list[str]:
+    """Run each ``(name, section, need_s)`` that the guard leaves time for.
+
+    A section that raises is reported and the others still run; the errors are returned (the
+    script exits non-zero on them). Prints what the guard skipped.
+    """
+    errors: list[str] = []
+    for name, section, need_s in sections:
+        if not guard.ok(f"section {name}", need_s):
+            continue
+        try:
+            section()
+        except Exception as err:  # report, keep going, exit non-zero at the end
+            errors.append(f"{name}: {type(err).__name__}: {err}")
+            print(f"\n**{name} failed**: {type(err).__name__}: {err}")
+    if guard.skipped:
+        print(f"\nskipped by the time guard: {', '.join(guard.skipped)}")
+    return errors
+
+
+def write_json(slug: str, payload: dict[str, Any]) -> None:
+    """Write ``payload`` to ``$OUT/<slug>.json`` when ``OUT`` is set (the device tool's folder)."""
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / f"{slug}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {path}")

@@ -46,19 +46,16 @@ when a section failed or a check was out of tolerance. No downloads, no files re
 """
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import Guard, sync  # bench/gpu/_common.py
+from _common import Guard, run_sections, sync, write_json  # bench/gpu/_common.py
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from ada_modules.kernels.kv_quant import (
@@ -436,32 +433,20 @@ def main(argv: list[str] | None = None) -> int:
         f"triton {triton.__version__ if triton else 'absent'}"
     )
     results: list[dict[str, Any]] = []
-    errors: list[str] = []
     sections: list[tuple[str, Callable[[], None], float]] = [
         ("checks", lambda: run_checks(sizes, device, results), 30),
         ("decode", lambda: run_decode(sizes, device, guard, results), 30),
         ("generate", lambda: run_generate(sizes, device, guard, results), 90),
     ]
-    for name, section, need_s in sections:
-        if not guard.ok(f"section {name}", need_s):
-            continue
-        try:
-            section()
-        except Exception as err:  # report, keep going, exit non-zero at the end
-            errors.append(f"{name}: {type(err).__name__}: {err}")
-            print(f"\n**{name} failed**: {type(err).__name__}: {err}")
+    errors = run_sections(sections, guard)
     elapsed = guard.elapsed()
-    if guard.skipped:
-        print(f"\nskipped by the time guard: {', '.join(guard.skipped)}")
     failed = [r["check"] for r in results if r["section"] == "check" and not r["ok"]]
     if failed:
         print(f"\nchecks outside their tolerance: {', '.join(failed)}")
     print(f"\nelapsed: {elapsed:.1f} s")
-    out = os.environ.get("OUT")
-    if out:
-        path = Path(out) / f"{SLUG}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
+    write_json(
+        SLUG,
+        {
             "device": device_name,
             "torch": torch.__version__,
             "triton": triton.__version__ if triton else None,
@@ -470,9 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             "skipped": guard.skipped,
             "errors": errors,
             "results": results,
-        }
-        path.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {path}")
+        },
+    )
     return 1 if errors or failed else 0
 
 

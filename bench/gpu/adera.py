@@ -45,21 +45,18 @@ when a section failed or a check was not exact. No downloads, no files read.
 """
 
 import argparse
-import json
 import math
-import os
 import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import Guard, sync  # bench/gpu/_common.py
+from _common import Guard, run_sections, sync, write_json  # bench/gpu/_common.py
 from torch import nn
 
 from ada_modules.kernels.exponent_codec import (
@@ -641,33 +638,21 @@ def main(argv: list[str] | None = None) -> int:
         f"triton {triton.__version__ if triton else 'absent'}; codec impl {impl}"
     )
     results: list[dict[str, Any]] = []
-    errors: list[str] = []
     sections: list[tuple[str, Callable[[], None], float]] = [
         ("checks", lambda: run_checks(sizes, device, impl, results), 30),
         ("throughput", lambda: run_throughput(sizes, device, impl, guard, results), 30),
         ("interference", lambda: run_interference(sizes, device, impl, guard, results), 30),
         ("one-rank", lambda: run_distributed(sizes, device, impl, guard, results), 20),
     ]
-    for name, section, need_s in sections:
-        if not guard.ok(f"section {name}", need_s):
-            continue
-        try:
-            section()
-        except Exception as err:  # report, keep going, exit non-zero at the end
-            errors.append(f"{name}: {type(err).__name__}: {err}")
-            print(f"\n**{name} failed**: {type(err).__name__}: {err}")
+    errors = run_sections(sections, guard)
     elapsed = guard.elapsed()
-    if guard.skipped:
-        print(f"\nskipped by the time guard: {', '.join(guard.skipped)}")
     failed = [r.get("check", r["section"]) for r in results if r.get("ok") is False]
     if failed:
         print(f"\nchecks not exact: {', '.join(failed)}")
     print(f"\nelapsed: {elapsed:.1f} s")
-    out = os.environ.get("OUT")
-    if out:
-        path = Path(out) / f"{SLUG}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
+    write_json(
+        SLUG,
+        {
             "device": device_name,
             "torch": torch.__version__,
             "triton": triton.__version__ if triton else None,
@@ -677,9 +662,8 @@ def main(argv: list[str] | None = None) -> int:
             "skipped": guard.skipped,
             "errors": errors,
             "results": results,
-        }
-        path.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {path}")
+        },
+    )
     return 1 if errors or failed else 0
 
 

@@ -18,16 +18,14 @@ Exits non-zero without CUDA unless ``--device cpu``.
 """
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+from _common import write_json  # bench/gpu/_common.py
 from lightning.pytorch import Trainer, seed_everything
 
 from ada_modules.data import EnvTaskDataModule
@@ -201,20 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"\nskipped by the time guard: {', '.join(skipped)}")
     print(f"\nelapsed: {elapsed:.1f} s")
-    out = os.environ.get("OUT")
-    if out:
-        path = Path(out) / f"{SLUG}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
+    write_json(
+        SLUG,
+        {
             "device": name,
             "torch": torch.__version__,
             "quick": args.quick,
             "elapsed_s": elapsed,
             "skipped": skipped,
             "results": runs,
-        }
-        path.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {path}")
+        },
+    )
     return 0
 
 

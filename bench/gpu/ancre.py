@@ -39,14 +39,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from _common import write_json  # bench/gpu/_common.py
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ada_modules.nn import ConnectivityWrapper
@@ -237,19 +235,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {record['layout']}: {points}")
     elapsed = time.perf_counter() - start
     print(f"\nelapsed {elapsed:.1f} s")
-    out = os.environ.get("OUT")
-    if out:
-        payload = {
+    write_json(
+        SLUG,
+        {
             "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
             "torch": torch.__version__,
             "triton": _triton_version(),
             "elapsed_s": elapsed,
             "results": results,
-        }
-        path = Path(out) / f"{SLUG}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {path}")
+        },
+    )
     return 0
 
 
