@@ -4,13 +4,12 @@ demand-driven block bits on hand-built cases, beam search / left padding, YAML a
 import pytest
 import torch
 import yaml
+from helpers.tiny_kv_models import ARCHS, TINY, greedy_generate, left_padded_prompts, tiny_model
 from jsonargparse import ArgumentParser
 from transformers import (
     DynamicCache,
     LlamaConfig,
-    LlamaForCausalLM,
     Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from ada_modules.kv import (
@@ -23,49 +22,6 @@ from ada_modules.kv import (
     block_bits_per_element,
 )
 from ada_modules.models import CausalLMModule
-
-TINY = {
-    "vocab_size": 48,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "pad_token_id": 0,
-    "eos_token_id": None,  # generate exactly max_new_tokens
-    "initializer_range": 0.1,  # peakier logits than the default 0.02: fewer near-ties
-}
-ARCHS = [(LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForCausalLM)]
-
-
-def _model(arch, seed=0, **overrides):
-    torch.manual_seed(seed)
-    config_class, model_class = arch
-    return model_class(config_class(**{**TINY, **overrides})).eval()
-
-
-def _prompts(batch, length, seed):
-    """Left-padded prompts: row b has ``3 * b`` pad tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, TINY["vocab_size"], (batch, length), generator=gen)
-    mask = torch.ones_like(ids)
-    for b in range(batch):
-        ids[b, : 3 * b] = 0
-        mask[b, : 3 * b] = 0
-    return ids, mask
-
-
-def _generate(model, ids, mask, cache, **kwargs):
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        cache=cache,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        **kwargs,
-    )
 
 
 def _block_cost(layer, bits):
@@ -81,16 +37,20 @@ def _block_cost(layer, bits):
 
 @pytest.mark.parametrize("arch", ARCHS, ids=["llama", "qwen2"])
 def test_8bit_generate_matches_dynamic_cache(arch):
-    model = _model(arch)
+    model = tiny_model(arch)
     allocation = BitAllocation.uniform(num_layers=2, bits=8, group_size=16)
     for seed in range(3):
-        ids, mask = _prompts(3, 45, seed)  # left padding; prefill flushes blocks, decoding more
-        ref = _generate(model, ids, mask, DynamicCache(config=model.config), max_new_tokens=24)
+        ids, mask = left_padded_prompts(
+            3, 45, seed
+        )  # left padding; prefill flushes blocks, decoding more
+        ref = greedy_generate(
+            model, ids, mask, DynamicCache(config=model.config), max_new_tokens=24
+        )
         # Dynamic layers on, with a one-width ladder: the demand is measured, the bits stay 8.
         cache = AdaKVQCache(
             model.config, allocation, residual_length=32, dynamic_layers=1.0, dynamic_bits=(8,)
         )
-        out = _generate(model, ids, mask, cache, max_new_tokens=24)
+        out = greedy_generate(model, ids, mask, cache, max_new_tokens=24)
         assert torch.equal(out.sequences, ref.sequences)
         scores, ref_scores = torch.stack(out.scores), torch.stack(ref.scores)
         assert (scores - ref_scores).norm() <= 1e-2 * ref_scores.norm()  # measured 2e-3..4e-3
@@ -101,7 +61,7 @@ def test_8bit_generate_matches_dynamic_cache(arch):
 @pytest.mark.parametrize("arch", ARCHS, ids=["llama", "qwen2"])
 def test_running_budget_holds_over_a_long_generation(arch):
     # head_dim 32 and fp16 states: stored bits per element equal the allocation's cost model.
-    model = _model(arch, hidden_size=128, num_hidden_layers=3).to(torch.float16)
+    model = tiny_model(arch, hidden_size=128, num_hidden_layers=3).to(torch.float16)
     model.set_attn_implementation(QUANTIZED_KV_ATTENTION)  # decode demand from the real lse
     allocation = allocate_bits([0.1, 0.4, 0.5], budget=5.0, group_size=16)
     assert allocation.average_bits() <= 5.0
@@ -114,8 +74,8 @@ def test_running_budget_holds_over_a_long_generation(arch):
         thresholds=(0.995, 1.005),  # a random model's lift stays near 1: tight, so bits move
         threshold_mode="absolute",
     )
-    ids, mask = _prompts(2, 40, 3)
-    _generate(model, ids, mask, cache, max_new_tokens=200)
+    ids, mask = left_padded_prompts(2, 40, 3)
+    greedy_generate(model, ids, mask, cache, max_new_tokens=200)
     changed = 0
     for layer in cache.layers:
         static = _block_cost(layer, (layer.key_bits, layer.value_bits))
@@ -151,13 +111,13 @@ def test_running_budget_holds_for_any_demand_sequence():
 
 
 def test_beam_search_and_decode_demand_with_dynamic_layers():
-    model = _model(ARCHS[0])
-    ids, mask = _prompts(2, 40, 1)
+    model = tiny_model(ARCHS[0])
+    ids, mask = left_padded_prompts(2, 40, 1)
     kwargs = {"max_new_tokens": 8, "num_beams": 3}
-    ref = _generate(model, ids, mask, DynamicCache(config=model.config), **kwargs)
+    ref = greedy_generate(model, ids, mask, DynamicCache(config=model.config), **kwargs)
     allocation = BitAllocation.uniform(num_layers=2, bits=8, group_size=16)
     cache = AdaKVQCache(model.config, allocation, residual_length=16, dynamic_bits=(8,))
-    out = _generate(model, ids, mask, cache, **kwargs)
+    out = greedy_generate(model, ids, mask, cache, **kwargs)
     assert cache.layers[1].segments and cache.layers[1].keys.shape[0] == 6
     torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=2e-3, atol=0)
     # Low bits, dynamic, fused decode: beams reorder the packed cache and the demand is recorded.
@@ -172,7 +132,7 @@ def test_beam_search_and_decode_demand_with_dynamic_layers():
         dynamic_layers=[1],
         dynamic_bits=(2, 3, 4),
     )
-    out = _generate(model, ids, mask, cache, max_new_tokens=30, num_beams=2)
+    out = greedy_generate(model, ids, mask, cache, max_new_tokens=30, num_beams=2)
     assert out.sequences.shape == (2, 70)
     layer = cache.layers[1]
     assert len(layer.block_demand) == 4 and layer.block_demand[0] is None
@@ -295,7 +255,7 @@ def test_relative_thresholds_follow_the_moving_average():
 
 
 def test_allocation_json_round_trip_into_the_cache(tmp_path):
-    model = _model(ARCHS[1], num_hidden_layers=4)
+    model = tiny_model(ARCHS[1], num_hidden_layers=4)
     allocation = allocate_bits([0.05, 0.1, 0.6, 0.4], budget=5.0, group_size=16)
     path = tmp_path / "allocation.json"
     allocation.to_json(path)
@@ -306,8 +266,8 @@ def test_allocation_json_round_trip_into_the_cache(tmp_path):
         assert [layer.key_bits for layer in cache.layers] == allocation.key_bits
         assert [layer.value_bits for layer in cache.layers] == allocation.value_bits
         assert cache.dynamic_layers == [2, 3]  # the two most important (long-range) layers
-    ids, mask = _prompts(2, 40, 0)
-    _generate(model, ids, mask, from_file, max_new_tokens=4)
+    ids, mask = left_padded_prompts(2, 40, 0)
+    greedy_generate(model, ids, mask, from_file, max_new_tokens=4)
     assert (
         from_file.layers[0].block_bits == [(allocation.key_bits[0], allocation.value_bits[0])] * 2
     )

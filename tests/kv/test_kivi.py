@@ -4,13 +4,11 @@ batch operations (left padding, beam reorder), the decode-attention path and bad
 import pytest
 import torch
 import yaml
+from helpers.tiny_kv_models import ARCHS, TINY, greedy_generate, left_padded_prompts, tiny_model
 from jsonargparse import ArgumentParser
 from transformers import (
     DynamicCache,
-    LlamaConfig,
-    LlamaForCausalLM,
     Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from ada_modules.kernels import kv_quant
@@ -23,50 +21,6 @@ from ada_modules.kv import (
 )
 from ada_modules.models import CausalLMModule
 
-TINY = {
-    "vocab_size": 48,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "pad_token_id": 0,
-    "eos_token_id": None,  # generate exactly max_new_tokens
-    "initializer_range": 0.1,  # peakier logits than the default 0.02: fewer near-ties
-}
-ARCHS = [(LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForCausalLM)]
-
-
-def _model(arch, seed=0):
-    torch.manual_seed(seed)
-    config_class, model_class = arch
-    return model_class(config_class(**TINY)).eval()
-
-
-def _prompts(batch, length, seed):
-    """Left-padded prompts: row b has ``3 * b`` pad tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, TINY["vocab_size"], (batch, length), generator=gen)
-    mask = torch.ones_like(ids)
-    for b in range(batch):
-        ids[b, : 3 * b] = 0
-        mask[b, : 3 * b] = 0
-    return ids, mask
-
-
-def _generate(model, ids, mask, cache, **kwargs):
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        cache=cache,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        **kwargs,
-    )
-
-
 # ----------------------------------------------------------------------------------------------
 # generate
 # ----------------------------------------------------------------------------------------------
@@ -74,12 +28,16 @@ def _generate(model, ids, mask, cache, **kwargs):
 
 @pytest.mark.parametrize("arch", ARCHS, ids=["llama", "qwen2"])
 def test_8bit_generate_matches_dynamic_cache(arch):
-    model = _model(arch)
+    model = tiny_model(arch)
     for seed in range(3):
-        ids, mask = _prompts(3, 45, seed)  # prefill flushes one block, decoding flushes more
-        ref = _generate(model, ids, mask, DynamicCache(config=model.config), max_new_tokens=24)
+        ids, mask = left_padded_prompts(
+            3, 45, seed
+        )  # prefill flushes one block, decoding flushes more
+        ref = greedy_generate(
+            model, ids, mask, DynamicCache(config=model.config), max_new_tokens=24
+        )
         cache = KIVICache(model.config, key_bits=8, value_bits=8, value_group_size=16)
-        out = _generate(model, ids, mask, cache, max_new_tokens=24)
+        out = greedy_generate(model, ids, mask, cache, max_new_tokens=24)
         assert torch.equal(out.sequences, ref.sequences)
         scores, ref_scores = torch.stack(out.scores), torch.stack(ref.scores)
         assert (scores - ref_scores).norm() <= 1e-2 * ref_scores.norm()  # measured ~4e-3
@@ -88,10 +46,10 @@ def test_8bit_generate_matches_dynamic_cache(arch):
 
 
 def test_logit_error_grows_as_bits_shrink():
-    model = _model(ARCHS[0])
-    ids, mask = _prompts(2, 64, 0)
+    model = tiny_model(ARCHS[0])
+    ids, mask = left_padded_prompts(2, 64, 0)
     # Teacher-force the reference continuation so every cache sees the same tokens.
-    ref = _generate(model, ids, mask, DynamicCache(config=model.config), max_new_tokens=16)
+    ref = greedy_generate(model, ids, mask, DynamicCache(config=model.config), max_new_tokens=16)
     full_mask = torch.cat([mask, torch.ones(2, 16, dtype=mask.dtype)], dim=1)
     ref_logits = model(ref.sequences, attention_mask=full_mask).logits[:, 64:]
     errors = {}
@@ -110,35 +68,35 @@ def test_logit_error_grows_as_bits_shrink():
 
 
 def test_beam_search_reorders_the_packed_cache():
-    model = _model(ARCHS[0])
-    ids, mask = _prompts(2, 40, 1)
+    model = tiny_model(ARCHS[0])
+    ids, mask = left_padded_prompts(2, 40, 1)
     kwargs = {"max_new_tokens": 8, "num_beams": 3}
-    ref = _generate(model, ids, mask, DynamicCache(config=model.config), **kwargs)
+    ref = greedy_generate(model, ids, mask, DynamicCache(config=model.config), **kwargs)
     # Window larger than the sequence: nothing is quantized, so beam search must match exactly.
     unflushed = KIVICache(model.config, 2, 2, 32, 16, residual_length=64)
-    out = _generate(model, ids, mask, unflushed, **kwargs)
+    out = greedy_generate(model, ids, mask, unflushed, **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
     # With packed history (8 bits), the beam scores stay close.
     packed = KIVICache(model.config, 8, 8, 16, 16, residual_length=16)
-    out = _generate(model, ids, mask, packed, **kwargs)
+    out = greedy_generate(model, ids, mask, packed, **kwargs)
     assert packed.layers[0].segments
     torch.testing.assert_close(out.sequences_scores, ref.sequences_scores, rtol=2e-3, atol=0)
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=["llama", "qwen2"])
 def test_fused_decode_attention_matches_the_dequantizing_path(arch):
-    model = _model(arch)
-    ids, mask = _prompts(3, 45, 0)
+    model = tiny_model(arch)
+    ids, mask = left_padded_prompts(3, 45, 0)
     kwargs = {"max_new_tokens": 24}
     runs = {}
     for attn in ("sdpa", QUANTIZED_KV_ATTENTION):
         model.set_attn_implementation(attn)
         runs[attn] = [
-            _generate(model, ids, mask, KIVICache(model.config, 2, 3, 32, 16), **kwargs),
-            _generate(
+            greedy_generate(model, ids, mask, KIVICache(model.config, 2, 3, 32, 16), **kwargs),
+            greedy_generate(
                 model, ids, mask, KIVICache(model.config, 2, 3, 32, 16), num_beams=2, **kwargs
             ),
-            _generate(model, ids, mask, DynamicCache(config=model.config), **kwargs),
+            greedy_generate(model, ids, mask, DynamicCache(config=model.config), **kwargs),
         ]
     for fused, plain in zip(runs[QUANTIZED_KV_ATTENTION], runs["sdpa"], strict=True):
         assert torch.equal(fused.sequences, plain.sequences)
@@ -148,16 +106,16 @@ def test_fused_decode_attention_matches_the_dequantizing_path(arch):
 
 
 def test_fused_path_never_dequantizes(monkeypatch):
-    model = _model(ARCHS[0])
+    model = tiny_model(ARCHS[0])
     model.set_attn_implementation(QUANTIZED_KV_ATTENTION)
-    ids, mask = _prompts(2, 40, 0)
+    ids, mask = left_padded_prompts(2, 40, 0)
 
     def fail(*args, **kwargs):
         raise AssertionError("the packed history was dequantized")
 
     monkeypatch.setattr("ada_modules.kv.quantized_layer.dequantize", fail)
     cache = KIVICache(model.config, 2, 2, 32, 16)
-    _generate(model, ids, mask, cache, max_new_tokens=10)
+    greedy_generate(model, ids, mask, cache, max_new_tokens=10)
     assert len(cache.layers[0].block_bits) == 1  # 49 tokens: one packed block was read
 
 
@@ -175,11 +133,11 @@ def test_decode_lse_hook_sees_the_mass_on_each_segment():
     class RecordingCache(KIVICache):
         layer_class = Recording
 
-    model = _model(ARCHS[1])
+    model = tiny_model(ARCHS[1])
     model.set_attn_implementation(QUANTIZED_KV_ATTENTION)
-    ids, mask = _prompts(2, 40, 0)
+    ids, mask = left_padded_prompts(2, 40, 0)
     cache = RecordingCache(model.config, 4, 4, 16, 16, residual_length=16)
-    _generate(model, ids, mask, cache, max_new_tokens=12)
+    greedy_generate(model, ids, mask, cache, max_new_tokens=12)
     seen = cache.layers[1].seen
     assert len(seen) == 11  # one per decode step
     for segments, lse in seen:
