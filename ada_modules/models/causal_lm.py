@@ -22,7 +22,12 @@ from transformers import (
 from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.kv.memory import cache_nbytes
 from ada_modules.optim.chain import OptimizerChain
-from ada_modules.optim.param_groups import check_radii, geometry_param_groups, split_param_groups
+from ada_modules.optim.param_groups import (
+    check_radii,
+    geometry_param_groups,
+    split_param_groups,
+    weight_decay_param_groups,
+)
 
 __all__ = ["CausalLMModule", "Generation", "build_causal_lm"]
 
@@ -398,11 +403,7 @@ class CausalLMModule(LightningModule):
         if self.param_groups == "geometry":
             groups = roles
         else:
-            decay, no_decay = [], []
-            for param in self.parameters():
-                if param.requires_grad:
-                    (decay if param.ndim >= 2 else no_decay).append(param)
-            groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+            groups = weight_decay_param_groups(self)
         if self.aux_optimizer is None:
             optimizer = self.optimizer(groups)
         else:

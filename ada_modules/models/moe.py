@@ -13,6 +13,7 @@ from torchmetrics import MeanMetric
 
 from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.nn.moe import MoELayer
+from ada_modules.optim.param_groups import weight_decay_param_groups
 
 __all__ = ["MoEBlock", "MoELMModule", "MoETransformer"]
 
@@ -301,11 +302,7 @@ class MoELMModule(LightningModule):
         self._evaluate(batch, "test")
 
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
-        for param in self.parameters():
-            if param.requires_grad:
-                (decay if param.ndim >= 2 else no_decay).append(param)
-        optimizer = self.optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+        optimizer = self.optimizer(weight_decay_param_groups(self))
         if self.lr_scheduler is None:
             return optimizer
         scheduler = self.lr_scheduler(optimizer)

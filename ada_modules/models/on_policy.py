@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.models.causal_lm import ARCHITECTURES, build_causal_lm
+from ada_modules.optim.param_groups import weight_decay_param_groups
 from ada_modules.posttrain.advantages import ADVANTAGE_ESTIMATORS, RolloutStats, clip_cov_mask
 from ada_modules.posttrain.envs.base import TextEnv, Transcript
 
@@ -748,13 +749,8 @@ class OnPolicyModule(LightningModule):
     # ------------------------------------------------------------------ optimizers and state
 
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
-        for param in self.model.parameters():
-            if param.requires_grad:
-                (decay if param.ndim >= 2 else no_decay).append(param)
-
         def build() -> torch.optim.Optimizer:
-            return self.optimizer([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+            return self.optimizer(weight_decay_param_groups(self.model))
 
         if self.sft_steps == 0:
             return build()

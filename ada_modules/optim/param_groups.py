@@ -22,6 +22,7 @@ __all__ = [
     "check_radii",
     "geometry_param_groups",
     "split_param_groups",
+    "weight_decay_param_groups",
 ]
 
 Role = Literal["embedding", "hidden", "conv", "vector", "head"]
@@ -138,6 +139,24 @@ def geometry_param_groups(
             group["radius"] = radii[role]
         groups.append(group)
     return groups
+
+
+def weight_decay_param_groups(module: nn.Module) -> list[dict[str, Any]]:
+    """Two groups of ``module``'s trainable parameters: matrices (decayed) and the rest (not).
+
+    The usual AdamW recipe: weight decay on weights of 2 or more dimensions, none on biases,
+    norms and other vectors.
+
+    Examples:
+        >>> decay, no_decay = weight_decay_param_groups(nn.Linear(4, 3))
+        >>> [p.shape for p in decay["params"]], no_decay["weight_decay"]
+        ([torch.Size([3, 4])], 0.0)
+    """
+    decay, no_decay = [], []
+    for param in module.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def split_param_groups(
