@@ -4,20 +4,13 @@ Later issues (the AdERA strategy) rely on CPU/gloo collectives; this checks the 
 on the machine that runs the suite.
 """
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers.distributed import run_ranks
 
 WORLD_SIZE = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _all_gather_ranks(rank: int, port: int, results: "mp.Queue") -> None:
@@ -34,20 +27,7 @@ def _all_gather_ranks(rank: int, port: int, results: "mp.Queue") -> None:
 
 @pytest.mark.distributed
 def test_gloo_all_gather_on_loopback():
-    # fork: the test module is imported by path (importlib mode), so a spawned child could not
-    # import the target function by name.
-    context = mp.get_context("fork")
-    results = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(target=_all_gather_ranks, args=(rank, port, results))
-        for rank in range(WORLD_SIZE)
-    ]
-    for process in processes:
-        process.start()
-    outputs = dict(results.get(timeout=60) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-        assert process.exitcode == 0
+    outputs, exit_codes = run_ranks(_all_gather_ranks, world_size=WORLD_SIZE, timeout=60)
+    assert exit_codes == [0] * WORLD_SIZE
     expected = [[float(rank)] * 3 for rank in range(WORLD_SIZE)]
     assert outputs == {rank: expected for rank in range(WORLD_SIZE)}

@@ -2,6 +2,7 @@ from functools import partial
 
 import pytest
 import torch
+from helpers.distributed import run_ranks
 
 from ada_modules.data import ArithmeticDataModule
 from ada_modules.models.moe import MoELMModule
@@ -130,25 +131,8 @@ def _sharded_step(rank: int, port: int, mesh_shape: tuple[int, int], results) ->
 @pytest.mark.distributed
 @pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2)], ids=["data_parallel", "tensor_parallel"])
 def test_configure_model_shards_the_stacked_experts_over_two_gloo_ranks(mesh_shape):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("fork")
-    results = context.Queue()
-    processes = [
-        context.Process(target=_sharded_step, args=(rank, port, mesh_shape, results))
-        for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    outputs = dict(results.get(timeout=120) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-        assert process.exitcode == 0
+    outputs, exit_codes = run_ranks(_sharded_step, mesh_shape, world_size=2, timeout=120)
+    assert exit_codes == [0, 0]
     for out in outputs.values():
         assert out["fsdp"] == [True, True]
         assert out["local"] == (4, 32, 32)  # 8 experts sharded over 2 ranks along dim 0

@@ -6,12 +6,12 @@ Each process trains the same small MLP twice from the same initialisation, with 
 
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers.distributed import run_ranks
 from torch import nn
 
 from ada_modules.strategies import (
@@ -25,12 +25,6 @@ from ada_modules.strategies import (
 WORLD_SIZE = 2
 STEPS = 60
 WIDTH = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _mlp() -> nn.Sequential:
@@ -200,20 +194,10 @@ def _worker(rank: int, port: int, results: "mp.Queue") -> None:
 @pytest.fixture(scope="module")
 def results() -> dict:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    context = mp.get_context("fork")  # the module is imported by path: spawn could not find _worker
-    queue = context.Queue()
-    port = _free_port()
-    processes = [
-        context.Process(target=_worker, args=(rank, port, queue)) for rank in range(WORLD_SIZE)
-    ]
-    for process in processes:
-        process.start()
-    outputs = dict(queue.get(timeout=240) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
+    outputs, exit_codes = run_ranks(_worker, world_size=WORLD_SIZE, timeout=240)
     for rank, output in outputs.items():
         assert "error" not in output, f"rank {rank}: {output['error']}"
-    assert all(process.exitcode == 0 for process in processes)
+    assert all(code == 0 for code in exit_codes)
     return outputs
 
 

@@ -5,11 +5,11 @@ processes (it would re-run the pytest command line).
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers.distributed import run_ranks, set_rank_env
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -80,14 +80,7 @@ def _same(a: list, b: list) -> bool:
 
 
 def _worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(WORLD_SIZE),
-        NODE_RANK="0",
-        LOCAL_RANK=str(rank),
-        RANK=str(rank),
-    )
+    set_rank_env(rank, port, WORLD_SIZE)
     torch.set_num_threads(1)
     sizes = {"data_parallel_size": WORLD_SIZE, "tensor_parallel_size": 1}
     try:
@@ -127,20 +120,7 @@ def _worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
 
 @pytest.mark.distributed
 def test_strategy_matches_model_parallel_and_resumes_exactly(tmp_path):
-    context = mp.get_context("fork")
-    queue = context.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    processes = [
-        context.Process(target=_worker, args=(rank, port, str(tmp_path), queue))
-        for rank in range(WORLD_SIZE)
-    ]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=300) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
+    results, _ = run_ranks(_worker, str(tmp_path), world_size=WORLD_SIZE, timeout=300)
     for rank in range(WORLD_SIZE):
         result = results[rank]
         assert "error" not in result, result
@@ -156,14 +136,7 @@ TRACE_STEPS = 6
 
 
 def _trace_worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(WORLD_SIZE),
-        NODE_RANK="0",
-        LOCAL_RANK=str(rank),
-        RANK=str(rank),
-    )
+    set_rank_env(rank, port, WORLD_SIZE)
     torch.set_num_threads(1)
     sizes = {"data_parallel_size": WORLD_SIZE, "tensor_parallel_size": 1}
     try:
@@ -181,20 +154,7 @@ def _trace_worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
 def test_trace_path_records_raw_and_adera_runs(tmp_path):
     from ada_modules.strategies.adera_sim import Trace
 
-    context = mp.get_context("fork")
-    queue = context.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    processes = [
-        context.Process(target=_trace_worker, args=(rank, port, str(tmp_path), queue))
-        for rank in range(WORLD_SIZE)
-    ]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=300) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
+    results, _ = run_ranks(_trace_worker, str(tmp_path), world_size=WORLD_SIZE, timeout=300)
     assert all("error" not in r for r in results.values()), results
 
     traces = {m: Trace.from_json(tmp_path / m / "trace.json") for m in ("always", "never")}
