@@ -52,7 +52,6 @@ from pathlib import Path
 import matplotlib
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ada_modules.kernels.exponent_codec import decode_from, encode_into, extract_exponents
 from ada_modules.strategies.adera_sim import (
@@ -67,6 +66,7 @@ from ada_modules.strategies.adera_sim import (
     measure_cpu_gloo,
     project,
     projection_table,
+    run_gloo_ranks,
     synthetic_moe_trace,
 )
 
@@ -197,20 +197,7 @@ def _emulate_worker(rank: int, port: int, steps: int, compute_reps: int, results
 
 def _emulated_trace(steps: int, compute_reps: int, profile: HardwareProfile) -> Trace:
     """Run the emulation on 2 gloo processes and turn rank 0's records into a :class:`Trace`."""
-    context = mp.get_context("fork")
-    results = context.Queue()
-    with __import__("socket").socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    processes = [
-        context.Process(target=_emulate_worker, args=(rank, port, steps, compute_reps, results))
-        for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    records = dict(results.get(timeout=600) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
+    records = run_gloo_ranks(_emulate_worker, steps, compute_reps)
     events = []
     step_s = {"raw": [], "adera": []}
     for step, (passes0, passes1) in enumerate(zip(records[0], records[1], strict=True)):

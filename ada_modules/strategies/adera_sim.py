@@ -103,6 +103,7 @@ __all__ = [
     "measure_cpu_gloo",
     "project",
     "projection_table",
+    "run_gloo_ranks",
     "simulate",
     "simulate_step",
     "synthetic_moe_trace",
@@ -1207,23 +1208,8 @@ def measure_cpu_gloo(
         ``latency_s``, ``bandwidth``, ``encode_throughput``, ``decode_throughput``,
         ``codec_launch_s``, ``codec_same_factor``: arguments of :meth:`HardwareProfile.calibrate`.
     """
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("fork")
-    results = context.Queue()
-    port = _free_port()
     config = (list(sizes), repeats, codec_numel, change_rate)
-    processes = [
-        context.Process(target=_gloo_worker, args=(rank, port, config, results))
-        for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    measured = dict(results.get(timeout=600) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-        if process.exitcode != 0:
-            raise RuntimeError(f"gloo benchmark process exited with {process.exitcode}")
+    measured = run_gloo_ranks(_gloo_worker, config)
     # The collective ends when both ranks have their data; the codec is as slow as the slower rank.
     slow = {
         k: max(measured[0][k], measured[1][k])
@@ -1245,12 +1231,38 @@ def measure_cpu_gloo(
     }
 
 
-def _free_port() -> int:
+def run_gloo_ranks(
+    target: Any, *args: Any, world_size: int = 2, timeout: float = 600.0
+) -> dict[int, Any]:
+    """Run ``target(rank, port, *args, queue)`` in ``world_size`` forked processes on 127.0.0.1.
+
+    Each process puts ``(rank, result)`` on the queue (``port`` is free for its gloo rendezvous);
+    returns the results by rank.
+
+    Raises:
+        RuntimeError: If a process exits with a non-zero code.
+    """
     import socket
+
+    import torch.multiprocessing as mp
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    context = mp.get_context("fork")
+    queue = context.Queue()
+    processes = [
+        context.Process(target=target, args=(rank, port, *args, queue))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    results = dict(queue.get(timeout=timeout) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+        if process.exitcode != 0:
+            raise RuntimeError(f"gloo benchmark process exited with {process.exitcode}")
+    return results
 
 
 def _median_time(fn: Any, repeats: int) -> float:
