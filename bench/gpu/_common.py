@@ -5,6 +5,7 @@ The scripts run as ``python bench/gpu/<slug>.py``, so this folder is on ``sys.pa
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+try:
+    from triton.testing import do_bench
+except ImportError:  # pragma: no cover - depends on the environment
+    do_bench = None
 
 
 @dataclass
@@ -68,3 +74,16 @@ def write_json(slug: str, payload: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(payload, indent=2))
         print(f"wrote {path}")
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, rep_ms: int = 60) -> float:
+    """Median milliseconds of ``fn`` (``do_bench`` on CUDA, ``perf_counter`` repeats on CPU)."""
+    if device.type == "cuda" and do_bench is not None:
+        return float(do_bench(fn, warmup=10, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

@@ -46,7 +46,6 @@ when a section failed or a check was out of tolerance. No downloads, no files re
 """
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -55,7 +54,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import Guard, run_sections, sync, write_json  # bench/gpu/_common.py
+from _common import Guard, median_ms, run_sections, sync, write_json  # bench/gpu/_common.py
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from ada_modules.kernels.kv_quant import (
@@ -72,10 +71,8 @@ from ada_modules.kv import QUANTIZED_KV_ATTENTION, KIVICache
 
 try:
     import triton
-    from triton.testing import do_bench
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
-    do_bench = None
 
 SLUG = "adakvq"
 GIB = 2**30
@@ -136,19 +133,6 @@ QUICK = Sizes(
     new_tokens=8,
 )
 GROUP, RESIDUAL_TOKENS = 32, 17
-
-
-def median_ms(fn: Callable[[], Any], device: torch.device) -> float:
-    """Median milliseconds of ``fn`` (``do_bench`` on CUDA, ``perf_counter`` repeats on CPU)."""
-    if device.type == "cuda" and do_bench is not None:
-        return float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def nbytes(*tensors: torch.Tensor) -> int:

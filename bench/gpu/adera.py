@@ -47,7 +47,6 @@ when a section failed or a check was not exact. No downloads, no files read.
 import argparse
 import math
 import socket
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -56,7 +55,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import Guard, run_sections, sync, write_json  # bench/gpu/_common.py
+from _common import Guard, median_ms, run_sections, sync, write_json  # bench/gpu/_common.py
 from torch import nn
 
 from ada_modules.kernels.exponent_codec import (
@@ -72,10 +71,8 @@ from ada_modules.strategies import AdERAAllGather, install_adera_all_gather
 
 try:
     import triton
-    from triton.testing import do_bench
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
-    do_bench = None
 
 SLUG = "adera"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -125,19 +122,6 @@ QUICK = Sizes(
     gather_numels=(1 << 14,),
     mlp_width=64,
 )
-
-
-def median_ms(fn: Callable[[], Any], device: torch.device) -> float:
-    """Median milliseconds of ``fn`` (``do_bench`` on CUDA, ``perf_counter`` repeats on CPU)."""
-    if device.type == "cuda" and do_bench is not None:
-        return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def int_view(x: torch.Tensor) -> torch.Tensor:
@@ -248,12 +232,13 @@ def time_codec(
     buffer, spill = encode_into(x, cache, stream, impl=impl)
     out = torch.empty_like(x)
     cache_out = torch.empty_like(cache)
-    enc = median_ms(lambda: encode_into(x, cache, stream, impl=impl), device)
+    enc = median_ms(lambda: encode_into(x, cache, stream, impl=impl), device, rep_ms=50)
     dec = median_ms(
         lambda: decode_from(
             buffer, cache, numel, dtype, spill=spill, out=out, cache_out=cache_out, impl=impl
         ),
         device,
+        rep_ms=50,
     )
     return enc, dec, buffer.numel() / raw_nbytes(numel, dtype)
 
@@ -277,7 +262,7 @@ def run_throughput(
                 continue
             x, cache = shard_and_cache(numel, dtype, p, device, seed=1)
             dst = torch.empty_like(x)
-            copy = median_ms(lambda x=x, dst=dst: dst.copy_(x), device)
+            copy = median_ms(lambda x=x, dst=dst: dst.copy_(x), device, rep_ms=50)
             enc, dec, ratio = time_codec(x, cache, arm_impl, device)
             raw = raw_nbytes(numel, dtype)
             gbps = {k: raw / ms / 1e6 for k, ms in (("enc", enc), ("dec", dec), ("copy", copy))}
@@ -516,8 +501,8 @@ def run_one_rank(
             def raw(out: torch.Tensor = out, x: torch.Tensor = versions[0]) -> None:
                 _all_gather(out, x, group=group)
 
-            raw_ms = median_ms(raw, device)
-            adera_ms = median_ms(adera, device)
+            raw_ms = median_ms(raw, device, rep_ms=50)
+            adera_ms = median_ms(adera, device, rep_ms=50)
             stats = comm.stats
             shadow = AdERAAllGather(mode="always", min_numel=0, impl=impl, shadow=True)
             shadow_ok = True
