@@ -30,7 +30,8 @@ What is modelled, exactly:
   ``c`` is binomial with the measured change rate, and the exception area is sized
   ``capacity_slack`` times its expectation (fixed-size payloads agreed in advance).
 - **Codec time.** Encode of the rank's shard and decode of all ``P`` shards, at the profile's
-  throughputs, plus a fixed launch cost, on the all-gather's critical path (FSDP2 runs the custom
+  throughputs, plus a fixed launch cost per call (``1 + P`` calls: the all-gather decodes each
+  rank's shard separately), on the all-gather's critical path (FSDP2 runs the custom
   all-gather on its all-gather stream; encode-ahead after the optimizer step is *not* assumed).
   Chunks without any changed exponent (a fraction ``(1 - p)^1024``) cost ``codec_same_factor``
   times a chunk with changes. A fraction ``codec_interference`` of the codec time is also charged to the compute stream (the
@@ -51,17 +52,17 @@ What is modelled, exactly:
 Not modelled: congestion between concurrent jobs, NCCL protocol switches (LL/LL128/Simple),
 the exception-overflow second all-gather (rare by design), and the memory of the exponent cache.
 
-Calibration: :meth:`HardwareProfile.calibrate` builds a CPU/gloo profile from measured numbers
-(:func:`measure_cpu_gloo`, a 2-process micro-benchmark), :meth:`HardwareProfile.fit_trace` fits
-one to the per-gather times of a recorded run, and :func:`calibration_error` replays the run and
-compares the predicted ``adera - raw`` step time with the measured one.
+Calibration (:mod:`ada_modules.strategies.adera_calibration`): :meth:`HardwareProfile.fit_trace`
+fits a CPU/gloo profile to timed gathers (of a micro-benchmark, or of a recorded run), and
+``calibration_error`` replays a recorded run and compares the predicted ``adera - raw`` step time
+with the measured one.
 
 Invariants (checked on every projection): AdERA's projected all-gather speedup over ``"raw"``
 never exceeds ``raw bytes / AdERA bytes`` (1 / compression ratio), and its step speedup never
 exceeds ``1 / min_i r_i`` over its gathers.
 
 Examples:
-    >>> trace = synthetic_moe_trace(num_layers=2, d_model=512, d_ff=1024, steps=(300,))
+    >>> trace = synthetic_moe_trace(num_layers=2, steps=(300,))  # Mixtral-sized layers
     >>> profile = HardwareProfile.preset("h100_nvlink4_ib400")
     >>> raw = simulate_step(trace.events, 64, profile, "hierarchical", "raw")
     >>> adera = simulate_step(trace.events, 64, profile, "hierarchical", "adera")
@@ -75,8 +76,6 @@ import dataclasses
 import functools
 import json
 import math
-import statistics
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +87,6 @@ __all__ = [
     "PROFILES",
     "TOPOLOGIES",
     "Baselines",
-    "CalibrationResult",
     "GatherCost",
     "GatherEvent",
     "HardwareProfile",
@@ -97,13 +95,10 @@ __all__ = [
     "Trace",
     "adera_payload_bytes",
     "all_gather_time",
-    "calibration_error",
     "change_rate_curve",
     "gather_cost",
-    "measure_cpu_gloo",
     "project",
     "projection_table",
-    "run_gloo_ranks",
     "simulate",
     "simulate_step",
     "synthetic_moe_trace",
@@ -426,7 +421,7 @@ class HardwareProfile:
         latency and bandwidth are the intra-node link at efficiency 1, compute comes from the
         trace (``flops=None``) and nothing overlaps (``overlap=False``: with gloo on a few shared
         cores the codec and the collective run on the CPUs that compute). The numbers come from
-        :func:`measure_cpu_gloo` or from the recording run.
+        :meth:`fit_trace`.
 
         Examples:
             >>> cpu = HardwareProfile.calibrate(1e-4, 1e9, 2e8, 3e8)
@@ -460,7 +455,7 @@ class HardwareProfile:
         payload (or, without it, ``codec_s``; the former also holds the wait for the slower rank's
         codec, which the model charges to the codec) against the unsharded bytes in chunks with and
         without exponent changes, ``a + c1 * B * f + c0 * B * (1 - f)`` (``f``: expected fraction
-        of chunks with a change): launch ``a / 2``, equal encode and decode rates that give the
+        of chunks with a change): launch ``a / (1 + P)`` (one encode and ``P`` decodes), equal encode and decode rates that give the
         per-byte cost ``c1``, and ``codec_same_factor = c0 / c1``. When the events carry
         ``adera_compute_s``, ``codec_interference`` is the extra compute time of the AdERA run
         over the modelled codec time. ``baselines`` gives the payload's ``capacity_slack``. The step model (the
@@ -519,7 +514,7 @@ class HardwareProfile:
         rate = (1 + 1 / world) / c1
         same = max(c0, 0.0) / c1
         fitted = cls.calibrate(
-            latency, bandwidth, rate, rate, max(intercept, 0.0) / 2, world, name, same
+            latency, bandwidth, rate, rate, max(intercept, 0.0) / (1 + world), world, name, same
         )
         paired = [e for e in trace.events if e.adera_compute_s is not None]
         if not paired:
@@ -804,13 +799,14 @@ def gather_cost(
     if method == "adera":
         payload = adera_payload_bytes(shard, event.dtype, event.change_rate, b.capacity_slack)
         changed = _changed_chunk_fraction(event.change_rate)
-        codec = 2 * profile.codec_launch_s + (
+        codec = (1 + world_size) * profile.codec_launch_s + (
             raw_bytes / profile.encode_throughput + full_bytes / profile.decode_throughput
         ) * (changed + (1 - changed) * profile.codec_same_factor)
     elif method == "entropy":
         ratio = b.entropy_ratio_bf16 if event.dtype == "bf16" else b.entropy_ratio_fp32
         payload = ratio * raw_bytes
         rate = b.entropy_throughput if profile.flops is not None else b.entropy_cpu_throughput
+        # One encode and one batched decode of all P shards (2 calls), as such libraries do.
         # Data-dependent sizes: one extra latency-only all-gather of the sizes before the data.
         codec = (
             2 * profile.codec_launch_s
@@ -1112,235 +1108,8 @@ def projection_table(rows: Sequence[ProjectionRow]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Calibration
+# Fitting helpers
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CalibrationResult:
-    """Predicted vs measured step times of a recorded run (see :func:`calibration_error`).
-
-    Attributes:
-        predicted_s: Modelled step time per method (``"raw"``, ``"adera"``).
-        measured_s: Measured step time per method.
-        predicted_diff_s: Modelled ``adera - raw`` step time.
-        measured_diff_s: Measured ``adera - raw`` step time.
-        relative_error: ``(predicted_diff - measured_diff) / |measured_diff|``; the acceptance
-            bound is ``|relative_error| <= 0.2``. Unstable when the measured difference is near 0;
-            then read ``error_of_step``.
-        error_of_step: ``(predicted_diff - measured_diff) / measured raw step time``.
-    """
-
-    predicted_s: dict[str, float]
-    measured_s: dict[str, float]
-    predicted_diff_s: float
-    measured_diff_s: float
-    relative_error: float
-    error_of_step: float
-
-
-def calibration_error(
-    trace: Trace,
-    profile: HardwareProfile | None = None,
-    mode: Literal["auto", "always"] = "always",
-    baselines: Baselines | None = None,
-) -> CalibrationResult:
-    """Replay ``trace`` at its own world size under ``profile`` and compare with the measurement.
-
-    The trace must hold ``measured_step_s["raw"]`` and ``["adera"]``; ``profile`` defaults to the
-    trace's own calibrated profile; the topology is a ring (the recorded run is on one machine).
-
-    Raises:
-        ValueError: If the measurement or the profile is missing.
-
-    Examples:
-        >>> cpu = HardwareProfile.calibrate(1e-4, 1e9, 2e8, 3e8)
-        >>> events = [GatherEvent("g", 2**20, "bf16", 0.02, i, "forward", 1e-2) for i in range(2)]
-        >>> model = {m: simulate(Trace(events, 2), 2, cpu, "ring", m, "always").step_s
-        ...          for m in ("raw", "adera")}
-        >>> result = calibration_error(Trace(events, 2, measured_step_s=model, profile=cpu))
-        >>> abs(result.relative_error) < 1e-9
-        True
-    """
-    profile = profile or trace.profile
-    if profile is None:
-        raise ValueError("calibration_error needs a profile: pass one or record it in the trace")
-    missing = {"raw", "adera"} - set(trace.measured_step_s)
-    if missing:
-        raise ValueError(f"trace.measured_step_s lacks {sorted(missing)}")
-    predicted = {
-        m: simulate(trace, trace.world_size, profile, "ring", m, mode, baselines).step_s
-        for m in ("raw", "adera")
-    }
-    measured = {m: trace.measured_step_s[m] for m in ("raw", "adera")}
-    predicted_diff = predicted["adera"] - predicted["raw"]
-    measured_diff = measured["adera"] - measured["raw"]
-    error = predicted_diff - measured_diff
-    return CalibrationResult(
-        predicted_s=predicted,
-        measured_s=measured,
-        predicted_diff_s=predicted_diff,
-        measured_diff_s=measured_diff,
-        relative_error=error / abs(measured_diff) if measured_diff else math.inf,
-        error_of_step=error / measured["raw"],
-    )
-
-
-def measure_cpu_gloo(
-    sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22),
-    repeats: int = 5,
-    codec_numel: int = 2**19,
-    change_rate: float = 0.02,
-) -> dict[str, float]:
-    """Measure loopback gloo all-gather latency/bandwidth and the codec rates on 2 CPU processes.
-
-    Two forked processes on 127.0.0.1 (one thread each) time an all-gather of ``S`` bytes per
-    rank (median of ``repeats`` after one warm-up; the slower rank counts) at each size in
-    ``sizes``, and fit ``t = alpha + S / beta`` (``P - 1 = 1`` ring step) by least squares. Then
-    both ranks at once time the codec of :mod:`ada_modules.kernels.exponent_codec` (torch
-    reference): ``encode_into`` of a ``codec_numel``-element bf16 shard and ``decode_from`` of it
-    (median of at least 9 calls), with ``change_rate`` of its exponents changed (a forward
-    gather: the rates) and with none (the backward re-gather: ``codec_same_factor``, the ratio of
-    the two codec times); the launch cost is the time of a 1024-element encode + decode, halved. The codec runs while the other rank runs it too, as in
-    a real step.
-
-    Returns:
-        ``latency_s``, ``bandwidth``, ``encode_throughput``, ``decode_throughput``,
-        ``codec_launch_s``, ``codec_same_factor``: arguments of :meth:`HardwareProfile.calibrate`.
-    """
-    config = (list(sizes), repeats, codec_numel, change_rate)
-    measured = run_gloo_ranks(_gloo_worker, config)
-    # The collective ends when both ranks have their data; the codec is as slow as the slower rank.
-    slow = {
-        k: max(measured[0][k], measured[1][k])
-        for k in ("encode_s", "decode_s", "launch_s", "same_s")
-    }
-    times = [
-        max(a, b) for a, b in zip(measured[0]["gather_s"], measured[1]["gather_s"], strict=True)
-    ]
-    latency, bandwidth = _fit_alpha_beta([float(s) for s in sizes], times)
-    nbytes = 2 * codec_numel
-    return {
-        "latency_s": latency,
-        "bandwidth": bandwidth,
-        "encode_throughput": nbytes / max(slow["encode_s"] - slow["launch_s"], 1e-9),
-        "decode_throughput": nbytes / max(slow["decode_s"] - slow["launch_s"], 1e-9),
-        "codec_launch_s": slow["launch_s"],
-        "codec_same_factor": max(slow["same_s"] - 2 * slow["launch_s"], 0.0)
-        / max(slow["encode_s"] + slow["decode_s"] - 2 * slow["launch_s"], 1e-9),
-    }
-
-
-def run_gloo_ranks(
-    target: Any, *args: Any, world_size: int = 2, timeout: float = 600.0
-) -> dict[int, Any]:
-    """Run ``target(rank, port, *args, queue)`` in ``world_size`` forked processes on 127.0.0.1.
-
-    Each process puts ``(rank, result)`` on the queue (``port`` is free for its gloo rendezvous);
-    returns the results by rank.
-
-    Raises:
-        RuntimeError: If a process exits with a non-zero code.
-    """
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("fork")
-    queue = context.Queue()
-    processes = [
-        context.Process(target=target, args=(rank, port, *args, queue))
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    results = dict(queue.get(timeout=timeout) for _ in processes)
-    for process in processes:
-        process.join(timeout=60)
-        if process.exitcode != 0:
-            raise RuntimeError(f"gloo benchmark process exited with {process.exitcode}")
-    return results
-
-
-def _median_time(fn: Any, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def _gloo_worker(rank: int, port: int, config: tuple, results: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from ada_modules.kernels.exponent_codec import decode_from, encode_into, extract_exponents
-
-    sizes, repeats, codec_numel, change_rate = config
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        gather_s = []
-        for size in sizes:
-            send = torch.zeros(size, dtype=torch.uint8)
-            recv = torch.empty(2 * size, dtype=torch.uint8)
-            samples = []
-            for i in range(repeats + 1):
-                dist.barrier()  # both ranks start together; the barrier itself is not timed
-                start = time.perf_counter()
-                dist.all_gather_single(recv, send)
-                if i:  # the first call warms up
-                    samples.append(time.perf_counter() - start)
-            gather_s.append(statistics.median(samples))
-        generator = torch.Generator().manual_seed(rank)
-        x = torch.randn(codec_numel, generator=generator).bfloat16()
-        codec_repeats = max(repeats, 9)
-        encode_s, decode_s = [], []
-        # A forward gather sees the step's changes, the backward re-gather none: time both.
-        for rate in (change_rate, 0.0):
-            old = x.clone()
-            flip = torch.rand(codec_numel, generator=generator) < rate
-            old[flip] = old[flip] * 2  # one exponent step away where flipped
-            cache = extract_exponents(old)
-            capacity = math.ceil(1.5 * _expected_stream_bytes(codec_numel, rate)) + 64
-            buffer, spill = encode_into(x, cache, capacity)
-            encode_s.append(
-                _median_time(lambda c=cache, k=capacity: encode_into(x, c, k), codec_repeats)
-            )
-            decode_s.append(
-                _median_time(
-                    lambda b=buffer, c=cache, sp=spill: decode_from(
-                        b, c, codec_numel, torch.bfloat16, spill=sp
-                    ),
-                    codec_repeats,
-                )
-            )
-        small = x[:CHUNK].clone()
-        small_cache = extract_exponents(small)
-
-        def small_round_trip() -> None:
-            b, sp = encode_into(small, small_cache, CHUNK)
-            decode_from(b, small_cache, CHUNK, torch.bfloat16, spill=sp)
-
-        results.put(
-            (
-                rank,
-                {
-                    "gather_s": gather_s,
-                    "encode_s": encode_s[0],
-                    "decode_s": decode_s[0],
-                    "same_s": encode_s[1] + decode_s[1],
-                    "launch_s": _median_time(small_round_trip, codec_repeats) / 2,
-                },
-            )
-        )
-    finally:
-        dist.destroy_process_group()
 
 
 def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:

@@ -203,7 +203,7 @@ def test_trace_path_is_validated():
 
 
 def test_trace_from_records_needs_a_step():
-    from ada_modules.strategies.adera import trace_from_records
+    from ada_modules.strategies.adera_trace import trace_from_records
 
     with pytest.raises(ValueError, match="no training step"):
         trace_from_records([], world_size=2, method="raw")
