@@ -6,19 +6,21 @@ Reads a sweep of ``cli_configs/adera/repro.yaml`` (``--sweep DIR``), or runs it 
 
 1. **Exactness**: the final parameters and AdamW states (the DCP checkpoints
    ``<run>/checkpoints/last.ckpt``, read on CPU in this one process) of ``plain``
-   (``ModelParallelStrategy``) against ``adera`` (mode always) and ``adera_raw`` (mode never), per
-   seed, bit for bit.
+   (``ModelParallelStrategy``) against ``adera`` (mode always) and ``adera_ab`` (always, with
+   ``alternate_steps``), per seed, bit for bit.
 2. **Exponent reuse per step** of the forward gathers (``1 -`` the fraction of exponents that
    changed since the group's previous gather; the backward re-gathers of the same weights, which
    reuse everything, are left out), expert groups and all groups, from the AdERA runs' traces:
    table and plot ``adera_repro_reuse.png``.
 3. **Bytes** of the compressed gathers over their raw size, and spill gathers.
-4. **Times on gloo**: the all-gather wall time per step (the traces: ``adera`` over
-   ``adera_raw``, whose gathers are the default ones timed through AdERA's wrapper) and the step
-   time (Lightning's ``SimpleProfiler``, ``run_training_batch``, rank 0: all three variants).
-5. **Simulator calibration**: per seed, the ``adera_raw`` and ``adera`` traces merged into one
-   (raw gather and compute times, AdERA gather, codec and compute times, the measured change
-   rates), replayed by ``calibration_error`` under three profiles (``HardwareProfile.fit_trace``
+4. **Times on gloo**: from the ``adera_ab`` run, whose even steps send raw and odd steps
+   compressed (so both share the machine's load), the step and all-gather times of each kind;
+   and, for reference, the step time of the separate ``plain`` and ``adera`` runs (Lightning's
+   ``SimpleProfiler``, ``run_training_batch``, rank 0).
+5. **Simulator calibration**: per seed, the ``adera_ab`` trace's raw steps paired with the
+   compressed steps that follow them, merged into one trace (raw gather and compute times, AdERA
+   gather, codec and compute times, the measured change rates), replayed by
+   ``calibration_error`` under three profiles (``HardwareProfile.fit_trace``
    of: the run's own gathers; the other seeds' runs of the same dtype, a held-out prediction;
    ``measure_gloo_gathers``, a micro-benchmark of the all-gather that has seen no training run):
    predicted vs measured ``adera - raw`` step time (target +-20%).
@@ -54,6 +56,7 @@ from ada_modules.strategies.adera_sim import (
     GatherEvent,
     HardwareProfile,
     Trace,
+    gather_cost,
     project,
     projection_table,
     synthetic_moe_trace,
@@ -64,7 +67,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "cli_configs" / "adera" / "repro.yaml"
-METHODS = ("plain", "adera", "adera_raw")
+METHODS = ("plain", "adera", "adera_ab")
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 PROFILES = ("h100_nvlink4_ib400", "h200_nvlink4_ib400", "a100_nvlink3_ib200")
 
@@ -176,8 +179,31 @@ def _kept(trace: Trace, warmup: int) -> list[int]:
     return [s for s in trace.steps if s >= warmup]
 
 
+def _split_alternating(trace: Trace) -> tuple[Trace, Trace] | None:
+    """The raw and the compressed steps of an ``alternate_steps`` trace, as two traces.
+
+    Each raw step is renumbered as the compressed step that follows it, so that :func:`_merge`
+    pairs neighbouring steps (the same weights, one optimizer step apart).
+    """
+    steps = trace.meta["steps"]
+    pairs = [
+        i
+        for i in range(1, len(steps))
+        if steps[i].get("method") == "adera" and steps[i - 1].get("method") == "raw"
+    ]
+    if not pairs:
+        return None
+    chosen = set(pairs)
+    raw = [dataclasses.replace(e, step=e.step + 1) for e in trace.events if e.step + 1 in chosen]
+    adera = [e for e in trace.events if e.step in chosen]
+    return (
+        Trace(raw, trace.world_size, meta={"steps": {i: steps[i - 1] for i in pairs}}),
+        Trace(adera, trace.world_size, meta={"steps": {i: steps[i] for i in pairs}}),
+    )
+
+
 def _merge(raw: Trace, adera: Trace, warmup: int) -> Trace | None:
-    """One calibration trace from a raw (mode never) and an AdERA run of the same seed."""
+    """One calibration trace from raw and AdERA steps (:func:`_split_alternating`)."""
     events = []
     raw_steps = raw.meta["steps"]
     steps = [s for s in _kept(adera, warmup) if s in set(raw.steps)]
@@ -243,7 +269,7 @@ def _exactness(runs: dict, dtypes: list[str], seeds: list[int]) -> list[dict]:
                     continue
                 plain = _checkpoint(runs[("plain", dtype, seed)], Path(scratch))
                 row = {"dtype": dtype, "seed": seed}
-                for other in ("adera", "adera_raw"):
+                for other in ("adera", "adera_ab"):
                     if (other, dtype, seed) not in runs:
                         continue
                     state = _checkpoint(runs[(other, dtype, seed)], Path(scratch))
@@ -254,8 +280,8 @@ def _exactness(runs: dict, dtypes: list[str], seeds: list[int]) -> list[dict]:
                 rows.append(row)
     print("## Exactness: final parameters and AdamW state vs plain FSDP2 (bit for bit)\n")
     print(
-        "| params | seed | adera: params | adera: optimizer state | adera_raw: params | "
-        "adera_raw: optimizer state |"
+        "| params | seed | adera: params | adera: optimizer state | adera_ab: params | "
+        "adera_ab: optimizer state |"
     )
     print("| --- | ---: | --- | --- | --- | --- |")
 
@@ -268,7 +294,7 @@ def _exactness(runs: dict, dtypes: list[str], seeds: list[int]) -> list[dict]:
     for row in rows:
         cells = [
             cell(row.get(m, {}).get(k))
-            for m in ("adera", "adera_raw")
+            for m in ("adera", "adera_ab")
             for k in ("params", "optimizer")
         ]
         print(f"| {row['dtype']} | {row['seed']} | " + " | ".join(cells) + " |")
@@ -353,80 +379,69 @@ def _reuse_and_bytes(traces: dict, dtypes: list[str], seeds: list[int], warmup: 
     return summary
 
 
-def _times(runs: dict, traces: dict, dtypes: list[str], seeds: list[int], warmup: int):
+def _times(runs: dict, merged: dict, dtypes: list[str], seeds: list[int]):
     summary = {}
-    print(f"## Times on 2 gloo processes (steps >= {warmup} for the traces)\n")
+    print("## Times on 2 gloo processes\n")
     print(
-        "| params | plain step ms | adera_raw step ms | adera step ms | step adera / plain | "
-        "step adera_raw / plain | AG ms/step raw | AG ms/step AdERA | AG AdERA / raw | "
+        "| params | plain step ms | adera step ms | A/B: raw step ms | A/B: AdERA step ms | "
+        "A/B: step AdERA / raw | AG ms/step raw | AG ms/step AdERA | AG AdERA / raw | "
         "codec ms/step |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for dtype in dtypes:
-        step = {m: [] for m in METHODS}
-        ratio_step, ratio_raw, gather_raw, gather_adera, gather_ratio, codec = (
-            [] for _ in range(6)
-        )
+        columns: dict[str, list[float]] = {}
+
+        def add(name: str, value: float | None, columns: dict = columns) -> None:
+            if value is not None:
+                columns.setdefault(name, []).append(value)
+
         for seed in seeds:
-            values = {
-                m: _profiler_step_s(runs[(m, dtype, seed)])
-                for m in METHODS
-                if (m, dtype, seed) in runs
-            }
-            for m, v in values.items():
-                if v is not None:
-                    step[m].append(1e3 * v)
-            if values.get("plain") and values.get("adera"):
-                ratio_step.append(values["adera"] / values["plain"])
-            if values.get("plain") and values.get("adera_raw"):
-                ratio_raw.append(values["adera_raw"] / values["plain"])
-            raw, adera = traces.get(("adera_raw", dtype, seed)), traces.get(("adera", dtype, seed))
-            if raw is None or adera is None:
+            for m in ("plain", "adera"):
+                if (m, dtype, seed) in runs:
+                    step_s = _profiler_step_s(runs[(m, dtype, seed)])
+                    add(m, None if step_s is None else 1e3 * step_s)
+            trace = merged.get((dtype, seed))
+            if trace is None:
                 continue
-            kept = [s for s in _kept(adera, warmup) if s in set(raw.steps)]
-            g_raw = sum(e.gather_s or 0.0 for s in kept for e in raw.step_events(s)) / len(kept)
-            g_ad = sum(
-                (e.adera_gather_s if e.adera_gather_s is not None else e.gather_s)
-                for s in kept
-                for e in adera.step_events(s)
-            ) / len(kept)
-            c_ad = sum(e.codec_s or 0.0 for s in kept for e in adera.step_events(s)) / len(kept)
-            gather_raw.append(1e3 * g_raw)
-            gather_adera.append(1e3 * g_ad)
-            gather_ratio.append(g_ad / g_raw)
-            codec.append(1e3 * c_ad)
-        summary[dtype] = {
-            "step_ms": step,
-            "step_ratio_adera_plain": ratio_step,
-            "step_ratio_raw_plain": ratio_raw,
-            "gather_ms_raw": gather_raw,
-            "gather_ms_adera": gather_adera,
-            "gather_ratio": gather_ratio,
-            "codec_ms": codec,
-        }
-        print(
-            f"| {dtype} | {_mean_std(step['plain'], 1)} | {_mean_std(step['adera_raw'], 1)} | "
-            f"{_mean_std(step['adera'], 1)} | {_mean_std(ratio_step, 3)} | "
-            f"{_mean_std(ratio_raw, 3)} | {_mean_std(gather_raw, 2)} | "
-            f"{_mean_std(gather_adera, 2)} | {_mean_std(gather_ratio, 2)} | {_mean_std(codec, 2)} |"
-        )
+            n = len(trace.meta["steps_used"])
+            raw_s, adera_s = trace.measured_step_s["raw"], trace.measured_step_s["adera"]
+            gather_raw = sum(e.gather_s for e in trace.events) / n
+            gather_adera = sum(e.adera_gather_s for e in trace.events) / n
+            add("ab_raw", 1e3 * raw_s)
+            add("ab_adera", 1e3 * adera_s)
+            add("ab_ratio", adera_s / raw_s)
+            add("gather_raw", 1e3 * gather_raw)
+            add("gather_adera", 1e3 * gather_adera)
+            add("gather_ratio", gather_adera / gather_raw)
+            add("codec", 1e3 * sum(e.codec_s for e in trace.events) / n)
+        summary[dtype] = columns
+        cells = [
+            _mean_std(columns.get(name, []), digits)
+            for name, digits in (
+                ("plain", 1),
+                ("adera", 1),
+                ("ab_raw", 1),
+                ("ab_adera", 1),
+                ("ab_ratio", 3),
+                ("gather_raw", 2),
+                ("gather_adera", 2),
+                ("gather_ratio", 2),
+                ("codec", 2),
+            )
+        ]
+        print(f"| {dtype} | " + " | ".join(cells) + " |")
     print(
-        "\nStep: SimpleProfiler's mean run_training_batch on rank 0 (all steps; forward, backward, "
-        "optimizer). AG: sum of the all-gather wall times of a step (AdERA: encode, gather, "
-        "decode, cache update).\n"
+        "\nplain / adera step: SimpleProfiler's mean run_training_batch on rank 0 (all steps; "
+        "separate runs). A/B: the adera_ab run, whose even steps send raw and odd steps "
+        "compressed, so both kinds of step share the machine's load; step = other + gathers + "
+        "compute of the step (the trace's own bookkeeping and the raw steps' cache refresh left "
+        "out), mean over the pairs of steps after warm-up. AG: sum of the all-gather wall times "
+        "of a step (AdERA: encode, gather, decode, cache update).\n"
     )
     return summary
 
 
-def _calibration(traces: dict, dtypes: list[str], seeds: list[int], warmup: int, quick: bool):
-    merged = {
-        (dtype, seed): m
-        for dtype in dtypes
-        for seed in seeds
-        if (raw := traces.get(("adera_raw", dtype, seed)))
-        and (adera := traces.get(("adera", dtype, seed)))
-        and (m := _merge(raw, adera, warmup)) is not None
-    }
+def _calibration(merged: dict, dtypes: list[str], quick: bool):
     micro = {}
     for dtype in dtypes:
         try:
@@ -434,7 +449,7 @@ def _calibration(traces: dict, dtypes: list[str], seeds: list[int], warmup: int,
             micro[dtype] = HardwareProfile.fit_trace(timed, name=f"micro_{_SHORT[dtype]}")
         except (RuntimeError, OSError) as error:  # a busy port or a killed worker: report it
             print(f"(micro-benchmark profile of {dtype} unavailable: {error})\n")
-    print("## Simulator calibration on the recorded runs (adera_raw + adera traces)\n")
+    print("## Simulator calibration on the recorded runs (adera_ab traces)\n")
     print(
         "| params | seed | steps | measured raw step s | measured AdERA step s | measured diff s | "
         "same run: predicted, error | other seeds: predicted, error | "
@@ -476,7 +491,51 @@ def _calibration(traces: dict, dtypes: list[str], seeds: list[int], warmup: int,
         "other seeds' runs of the same dtype (a held-out prediction); 'micro-benchmark' fitted to "
         "measure_gloo_gathers (AdERAAllGather timed on synthetic shards, no training run).\n"
     )
+    _decomposition(merged, micro)
     return summary, {d: dataclasses.asdict(m) for d, m in micro.items()}
+
+
+def _decomposition(merged: dict, micro: dict) -> None:
+    """Where the measured AdERA - raw step time goes, against the micro-benchmark model."""
+    if not micro:
+        return
+    print("Per step, mean over seeds (ms): measured vs the micro-benchmark profile's model.\n")
+    print(
+        "| params | raw gathers: measured, model | AdERA gathers: measured, model | "
+        "of which codec: measured, model | compute AdERA - raw, measured | rest, measured |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for dtype, profile in micro.items():
+        rows = []
+        for (d, _), trace in merged.items():
+            if d != dtype:
+                continue
+            steps = len(trace.meta["steps_used"])
+            raw = [gather_cost(e, 2, profile, "ring", "raw") for e in trace.events]
+            adera = [gather_cost(e, 2, profile, "ring", "adera", "always") for e in trace.events]
+            gathers_raw = sum(e.gather_s for e in trace.events)
+            gathers_adera = sum(e.adera_gather_s for e in trace.events)
+            compute = sum(e.adera_compute_s - e.compute_s for e in trace.events)
+            diff = trace.measured_step_s["adera"] - trace.measured_step_s["raw"]
+            values = [
+                gathers_raw,
+                sum(c.total_s for c in raw),
+                gathers_adera,
+                sum(c.total_s for c in adera),
+                sum(e.codec_s for e in trace.events),
+                sum(c.codec_s for c in adera),
+                compute,
+            ]
+            values = [1e3 * v / steps for v in values]
+            rest = 1e3 * diff - (values[2] - values[0]) - values[6]
+            rows.append([*values, rest])
+        if rows:
+            m = [statistics.mean(column) for column in zip(*rows, strict=True)]
+            print(
+                f"| {dtype} | {m[0]:.1f}, {m[1]:.1f} | {m[2]:.1f}, {m[3]:.1f} | "
+                f"{m[4]:.1f}, {m[5]:.1f} | {m[6]:+.1f} | {m[7]:+.1f} |"
+            )
+    print()
 
 
 def _projection(traces: dict, seeds: list[int], warmup: int) -> dict:
@@ -531,6 +590,13 @@ def main() -> None:
     dtypes = [d for d in ("float32", "bfloat16") if any(k[1] == d for k in runs)]
     seeds = sorted({k[2] for k in runs})
     traces = {k: t for k, run in runs.items() if (t := _trace(run)) is not None}
+    merged = {
+        (dtype, seed): m
+        for (method, dtype, seed), trace in traces.items()
+        if method == "adera_ab"
+        and (pair := _split_alternating(trace)) is not None
+        and (m := _merge(*pair, args.warmup)) is not None
+    }
     print(f"# AdERA mini reproduction ({sweep}; seeds {seeds})\n")
     results_md = sweep / "results.md"
     if results_md.is_file():
@@ -542,11 +608,9 @@ def main() -> None:
         "warmup": args.warmup,
         "exactness": _exactness(runs, dtypes, seeds),
         "reuse_bytes": _reuse_and_bytes(traces, dtypes, seeds, args.warmup, args.out),
-        "times": _times(runs, traces, dtypes, seeds, args.warmup),
+        "times": _times(runs, merged, dtypes, seeds),
     }
-    report["calibration"], report["micro_profile"] = _calibration(
-        traces, dtypes, seeds, args.warmup, args.quick
-    )
+    report["calibration"], report["micro_profile"] = _calibration(merged, dtypes, args.quick)
     report["projection"] = _projection(traces, seeds, args.warmup)
     (args.out / "adera_repro.json").write_text(json.dumps(report, indent=1, default=str))
     print(f"wrote {args.out / 'adera_repro.json'} and {args.out / 'adera_repro_reuse.png'}")

@@ -22,10 +22,12 @@ decoded (the largest exception stream of the last few gathers) and of shared con
 ranks agree without extra communication. The result is bitwise identical to the default
 all-gather; ``shadow=True`` also runs the default all-gather and checks that.
 
-Gathers are sent raw (and the cache is refreshed from the output) in mode ``"never"``, for groups
-smaller than ``min_numel``, for dtypes other than bf16/fp32 (with a one-time warning), for the first
-gather of a group (no cache yet), and in mode ``"auto"`` when the
-:class:`~ada_modules.strategies.adera_cost_model.CostModel` predicts no saving.
+Gathers are sent raw in mode ``"never"``, for groups smaller than ``min_numel``, for dtypes other
+than bf16/fp32 (with a one-time warning), for the first gather of a group (no cache yet), and in
+mode ``"auto"`` when the :class:`~ada_modules.strategies.adera_cost_model.CostModel` predicts no
+saving. A group keeps an exponent cache (refreshed from the output of its raw gathers) unless it
+is never compressed: mode ``"never"``, below ``min_numel``, another dtype, or in mode ``"auto"``
+a group that would not pay even if no exponent changed.
 
 Examples:
     >>> comm = AdERAAllGather(mode="always", min_numel=0)
@@ -106,16 +108,21 @@ class AdERAAllGather(_AllGatherBase):
     cache of its parameter group (``world_size * shard_numel`` bytes on every rank) and its
     :attr:`stats`.
 
-    Set ``trace`` to a list (several instances may share one) to append a :class:`GatherRecord`
-    per call, in call order (:class:`AdERAStrategy` does so with ``trace_path``). A group that
-    keeps no cache (mode ``"never"``, below ``min_numel``) then keeps a trace-only copy of its
-    exponents to count the changes, outside the timed gather.
+    Set ``trace`` to a list (several instances may share one) to append a
+    :class:`~ada_modules.strategies.adera_trace.GatherRecord` per call, in call order
+    (``AdERAStrategy(trace_path=...)`` does so). A group that keeps no cache then keeps a
+    trace-only copy of its exponents to count the changes, outside the timed gather.
+
+    Set ``enabled = False`` to send every gather raw for a while; tracked groups keep their caches
+    current, so compression resumes exactly when it is set back (``AdERAStrategy`` does so on every
+    other step with ``alternate_steps=True``).
 
     Args:
         mode: ``"auto"`` (compress when ``cost_model`` predicts a saving), ``"always"`` or
             ``"never"``.
         cost_model: The model ``"auto"`` consults; identical on every rank (default:
-            :class:`CostModel` with its default constants).
+            :class:`~ada_modules.strategies.adera_cost_model.CostModel`'s defaults). A group
+            that it would not compress even without any changed exponent keeps no cache.
         min_numel: Groups with fewer elements (all ranks together) are never compressed and keep
             no cache.
         chunk_size: Elements per exception chunk of the codec.
@@ -186,6 +193,7 @@ class AdERAAllGather(_AllGatherBase):
         self.impl: Impl = impl
         self.name = name
         self.stats = GatherStats()
+        self.enabled = True
         self.last_compressed: bool | None = None
         self.trace: list[GatherRecord] | None = None
         self._cache: torch.Tensor | None = None
@@ -229,11 +237,16 @@ class AdERAAllGather(_AllGatherBase):
         stats.elements += world * numel
         raw = codec.raw_nbytes(numel, dtype) * world
         stats.raw_bytes += raw
-        tracked = self._tracks(numel * world, dtype)
+        tracked = self._tracks(numel, dtype, world)
         if tracked and (self._cache is None or self._cache.numel() != world * numel):
             self._cache = None
             self._history.clear()
-        compress = tracked and self._cache is not None and self._decide(numel, dtype, world)
+        compress = (
+            self.enabled
+            and tracked
+            and self._cache is not None
+            and self._decide(numel, dtype, world)
+        )
         self.last_compressed = compress
         if compress:
             self._compressed_gather(output_tensor, input_tensor, group)
@@ -296,7 +309,8 @@ class AdERAAllGather(_AllGatherBase):
             )
         )
 
-    def _tracks(self, group_numel: int, dtype: torch.dtype) -> bool:
+    def _tracks(self, numel: int, dtype: torch.dtype, world: int) -> bool:
+        """Whether the group keeps an exponent cache (and may be compressed)."""
         if self.mode == "never":
             return False
         if dtype not in codec.SUPPORTED_DTYPES:
@@ -307,7 +321,14 @@ class AdERAAllGather(_AllGatherBase):
                     stacklevel=3,
                 )
             return False
-        return group_numel >= self.min_numel
+        if numel * world < self.min_numel:
+            return False
+        if self.mode == "auto":
+            # The smallest payload (no exception byte) bounds every later one: if even that does
+            # not pay, no change rate will, so the group keeps no cache.
+            smallest = codec.payload_nbytes(numel, dtype, 0, self.chunk_size)
+            return self.cost_model.should_compress(numel, dtype, world, smallest)
+        return True
 
     def _capacity(self, numel: int) -> int:
         same_phase = list(self._history)[-self.period :: -self.period]

@@ -201,7 +201,7 @@ class Trace:
         other_s: Per-step time outside the traced forward/backward (optimizer step, data).
         reduce_dtype: Dtype of the gradient reduce-scatter (``"fp32"`` or ``"bf16"``).
         measured_step_s: Measured mean step time (s) of the recorded run per method, e.g.
-            ``{"raw": 0.21, "adera": 0.25}`` (what :func:`calibration_error` compares).
+            ``{"raw": 0.21, "adera": 0.25}`` (what :func:`~ada_modules.strategies.adera_calibration.calibration_error` compares).
         profile: The hardware profile calibrated on the recording machine, if any.
         meta: Free-form description (model, command, date).
 
@@ -460,7 +460,7 @@ class HardwareProfile:
         ``adera_compute_s``, ``codec_interference`` is the extra compute time of the AdERA run
         over the modelled codec time. ``baselines`` gives the payload's ``capacity_slack``. The step model (the
         composition of gathers, computes and reduce-scatters) is then what
-        :func:`calibration_error` tests.
+        :func:`~ada_modules.strategies.adera_calibration.calibration_error` tests.
 
         Raises:
             ValueError: If the events lack the measurements or have a single gather size.

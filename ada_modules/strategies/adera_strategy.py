@@ -42,7 +42,7 @@ class AdERAStrategy(ModelParallelStrategy):
 
     The LightningModule shards itself in ``configure_model`` with ``fully_shard`` (as for
     ``ModelParallelStrategy``); after that, every ``FSDPModule`` gets its own
-    :class:`AdERAAllGather`. Parameters and losses are bitwise identical to
+    :class:`~ada_modules.strategies.adera.AdERAAllGather`. Parameters and losses are bitwise identical to
     ``ModelParallelStrategy`` with the same arguments. Each training step logs (under ``train/``)
     the exponent reuse rate, the bytes ratio of compressed gathers, the number of compressed
     gathers and the codec/communication wall time accumulated since the previous step.
@@ -57,8 +57,9 @@ class AdERAStrategy(ModelParallelStrategy):
     (:class:`~ada_modules.strategies.adera_sim.Trace` JSON, see :func:`trace_from_records`): per
     gather its group, size, dtype, exponent change rate, phase, wall time, codec time and the
     compute until the next gather, plus the mean step time under ``measured_step_s["raw"]`` (mode
-    ``"never"``) or ``["adera"]``. Recording costs a few ``perf_counter`` calls per gather, and for
-    groups that keep no cache one exponent comparison after the timed gather.
+    ``"never"``) or ``["adera"]``, or both with ``alternate_steps``. Recording costs a few
+    ``perf_counter`` calls per gather, and for groups that keep no cache one exponent comparison
+    after the timed gather.
 
     Args:
         data_parallel_size: As for ``ModelParallelStrategy``.
@@ -71,13 +72,17 @@ class AdERAStrategy(ModelParallelStrategy):
         min_numel: Groups with fewer elements are never compressed.
         margin: Relative saving the cost model must predict in ``"auto"`` mode.
         calibrate: In ``"auto"`` mode, measure latency, bandwidth and codec speed at setup (a few
-            collectives, identical result on every rank); otherwise use :class:`CostModel`'s
+            collectives, identical result on every rank); otherwise use :class:`~ada_modules.strategies.adera_cost_model.CostModel`'s
             defaults with ``margin``.
         chunk_size: Elements per exception chunk of the codec.
         shadow: Debug: also run the default all-gather and raise on any difference.
         check_caches: Debug: compare the exponent caches across ranks after every training step.
         log_stats: Log the per-step statistics with ``LightningModule.log_dict``.
         impl: Codec implementation (``"auto"``: Triton on CUDA, torch otherwise).
+        alternate_steps: Benchmark aid: compress only on odd training steps and send every gather
+            raw on even ones (the caches stay current), so that one run measures both kinds of
+            step under the same machine load; ``trace_path`` then records both (the records say
+            which gathers were compressed). Training is unchanged: both kinds are exact.
         trace_path: Write a simulator trace of the training steps to this JSON file at the end of
             fit (rank 0; parent folders are created). ``None``: record nothing.
 
@@ -107,6 +112,7 @@ class AdERAStrategy(ModelParallelStrategy):
         check_caches: bool = False,
         log_stats: bool = True,
         impl: Impl = "auto",
+        alternate_steps: bool = False,
         trace_path: str | None = None,
     ) -> None:
         if trace_path is not None and (not isinstance(trace_path, str) or not trace_path):
@@ -130,6 +136,7 @@ class AdERAStrategy(ModelParallelStrategy):
         self.check_caches = check_caches
         self.log_stats = log_stats
         self.impl: Impl = impl
+        self.alternate_steps = alternate_steps
         self.trace_path = trace_path
         self.cost_model: CostModel | None = None
         self.comms: dict[str, AdERAAllGather] = {}
@@ -137,6 +144,7 @@ class AdERAStrategy(ModelParallelStrategy):
         self._trace_records: list[GatherRecord] = []
         self._trace_steps: list[tuple[list[GatherRecord], float, float, float]] = []
         self._step_start: float | None = None
+        self._step_methods: list[str] = []
         self._backward_end: float | None = None
 
     @property
@@ -169,6 +177,7 @@ class AdERAStrategy(ModelParallelStrategy):
         if self.trace_path is not None:
             self._trace_records.clear()
             self._trace_steps.clear()
+            self._step_methods.clear()
             for comm in self.comms.values():
                 comm.trace = self._trace_records
 
@@ -178,6 +187,9 @@ class AdERAStrategy(ModelParallelStrategy):
             self._trace_records.clear()
             self._backward_end = None
             self._step_start = time.perf_counter()
+        if self.alternate_steps:
+            for comm in self.comms.values():
+                comm.enabled = self.lightning_module.global_step % 2 == 1
         output = super().training_step(*args, **kwargs)
         if self.check_caches or self._verify_next:
             verify_exponent_caches(self.comms.values(), device=self.root_device)
@@ -215,6 +227,8 @@ class AdERAStrategy(ModelParallelStrategy):
             self._trace_steps.append(
                 (list(self._trace_records), self._step_start, backward_end, end)
             )
+            enabled = all(comm.enabled for comm in self.comms.values())
+            self._step_methods.append("raw" if self.mode == "never" or not enabled else "adera")
             self._trace_records.clear()
             self._step_start = None
         return output
@@ -228,9 +242,10 @@ class AdERAStrategy(ModelParallelStrategy):
         trace = trace_from_records(
             self._trace_steps,
             world_size=max(ranks, default=self.world_size),
-            method="raw" if self.mode == "never" else "adera",
+            method=self._step_methods,
             meta={
                 "mode": self.mode,
+                "alternate_steps": self.alternate_steps,
                 "min_numel": self.min_numel,
                 "chunk_size": self.chunk_size,
                 "torch": torch.__version__,

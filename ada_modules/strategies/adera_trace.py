@@ -6,7 +6,8 @@ writes :func:`trace_from_records`'s :class:`~ada_modules.strategies.adera_sim.Tr
 fit, which :mod:`ada_modules.strategies.adera_sim` replays at 8-128 GPUs.
 """
 
-from collections.abc import Iterable
+import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -61,7 +62,7 @@ class GatherRecord:
 def trace_from_records(
     steps: "Iterable[tuple[list[GatherRecord], float, float, float]]",
     world_size: int,
-    method: Literal["raw", "adera"],
+    method: "Literal['raw', 'adera'] | Sequence[str]",
     meta: dict[str, Any] | None = None,
 ) -> "Trace":
     """Turn recorded training steps into a simulator :class:`~ada_modules.strategies.adera_sim.Trace`.
@@ -75,7 +76,9 @@ def trace_from_records(
     rest of the step: before the first gather and after the backward (optimizer step). A
     compressed gather's wall time goes to ``adera_gather_s`` (with ``codec_s``), any other's, less
     its cache update, to ``gather_s``. ``change_rate`` is ``changed / numel``, or 1 for a first
-    gather (no cache: every exponent is new). ``measured_step_s[method]`` is the mean step time
+    gather (no cache: every exponent is new). ``method`` names how the steps sent their gathers,
+    ``"raw"`` or ``"adera"``, or per step (``AdERAStrategy(alternate_steps=True)``);
+    ``measured_step_s[m]`` is the mean step time of the steps of method ``m``
     (``end_s - start_s``, less the trace's own bookkeeping, ``ready_s - end_s`` of every gather);
     ``meta["steps"]`` holds per-step times and byte counts. Gathers of other
     dtypes than bf16/fp32 are left out (named in ``meta["skipped_groups"]``).
@@ -135,12 +138,24 @@ def trace_from_records(
         )
     if not per_step:
         raise ValueError("no training step was recorded")
+    methods = [method] * len(per_step) if isinstance(method, str) else list(method)
+    if len(methods) != len(per_step) or not set(methods) <= {"raw", "adera"}:
+        raise ValueError(
+            f"method must be 'raw', 'adera' or one of them per step ({len(per_step)}), "
+            f"got {method!r}"
+        )
+    for values, name in zip(per_step, methods, strict=True):
+        values["method"] = name
+    measured = {
+        name: statistics.mean(s["step_s"] for s in per_step if s["method"] == name)
+        for name in dict.fromkeys(methods)
+    }
     info = dict(meta or {})
-    info.update(steps=per_step, skipped_groups=sorted(skipped), method=method)
+    info.update(steps=per_step, skipped_groups=sorted(skipped))
     return Trace(
         events=events,
         world_size=world_size,
         other_s=sum(s["other_s"] for s in per_step) / len(per_step),
-        measured_step_s={method: sum(s["step_s"] for s in per_step) / len(per_step)},
+        measured_step_s=measured,
         meta=info,
     )

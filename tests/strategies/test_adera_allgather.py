@@ -115,10 +115,21 @@ def _direct_calls(rank: int) -> dict:
     exact = torch.equal(
         _gather(small, shard).view(torch.int16)[rank * 1000 :][:1000], shard.view(torch.int16)
     )
+    # auto: a codec this slow never pays, so no cache is kept; a free codec pays from gather 2.
+    slow = CostModel(encode_Bps=1.0, decode_Bps=1.0)
+    free = CostModel(latency_s=1e-9, bandwidth_Bps=1.0, encode_Bps=1e18, decode_Bps=1e18)
+    autos = {}
+    for name, cost in (("slow", slow), ("free", free)):
+        comm = AdERAAllGather(mode="auto", min_numel=0, cost_model=cost)
+        for scale in (1, 3, 5):
+            _gather(comm, shard * scale)
+        autos[name] = (comm._cache is not None, comm.stats.compressed_gathers)
     return {
         "spilled": spilled,
         "shadow_caught": caught,
         "small_raw": exact and small._cache is None and small.stats.compressed_gathers == 0,
+        "auto_slow": autos["slow"],
+        "auto_free": autos["free"],
     }
 
 
@@ -158,11 +169,11 @@ def _worker(rank: int, port: int, results: "mp.Queue") -> None:
         }
 
         # A rank whose cache diverged is detected on every rank.
-        comm = next(c for c in auto[3].values() if c._cache is not None)
+        comm = next(c for c in comms.values() if c._cache is not None)  # the last always run
         if rank == 1:
             comm._cache[0] ^= 1
         try:
-            verify_exponent_caches(auto[3].values())
+            verify_exponent_caches(comms.values())
             out["divergence_detected"] = False
         except RuntimeError as exc:
             out["divergence_detected"] = "differ across ranks" in str(exc)
@@ -247,6 +258,13 @@ def test_spills_shadow_check_and_small_groups(results):
     assert results[0]["spilled"] and results[1]["spilled"]
     assert results[1]["shadow_caught"] and not results[0]["shadow_caught"]
     assert results[0]["small_raw"] and results[1]["small_raw"]
+
+
+@pytest.mark.distributed
+def test_auto_keeps_no_cache_for_a_group_that_can_never_pay(results):
+    for rank in range(WORLD_SIZE):
+        assert results[rank]["auto_slow"] == (False, 0)
+        assert results[rank]["auto_free"] == (True, 2)  # the first gather builds the cache
 
 
 # ----------------------------------------------------------------------------------------------

@@ -89,6 +89,8 @@ def _worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
         adera, trainer = _fit(adera_strategy, tmp)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if "adera" in k}
         auto, _ = _fit(AdERAStrategy(**sizes, min_numel=1024), tmp)  # calibrates at setup
+        alternate = AdERAStrategy(**sizes, mode="always", min_numel=1024, alternate_steps=True)
+        alternating, _ = _fit(alternate, tmp)
         # resume halfway, with each strategy: AdERA's caches are rebuilt, so both runs agree
         factories = {
             "plain": lambda: ModelParallelStrategy(**sizes),
@@ -107,6 +109,7 @@ def _worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
                 {
                     "equal": _same(plain, adera),
                     "auto_equal": _same(plain, auto),
+                    "alternating_equal": _same(plain, alternating),
                     "resumed_equal": _same(resumed["plain"], resumed["adera"]),
                     "metrics": metrics,
                     "resumed_metrics": resumed_metrics,
@@ -125,6 +128,7 @@ def test_strategy_matches_model_parallel_and_resumes_exactly(tmp_path):
         result = results[rank]
         assert "error" not in result, result
         assert result["equal"] and result["auto_equal"] and result["resumed_equal"], result
+        assert result["alternating_equal"], result
         assert result["resumed_metrics"]["train/adera_compressed_gathers"] > 0
         metrics = result["metrics"]
         assert metrics["train/adera_compressed_gathers"] > 0
@@ -140,9 +144,15 @@ def _trace_worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
     torch.set_num_threads(1)
     sizes = {"data_parallel_size": WORLD_SIZE, "tensor_parallel_size": 1}
     try:
-        for mode in ("always", "never"):
-            path = os.path.join(tmp, mode, "trace.json")  # the folder does not exist yet
-            strategy = AdERAStrategy(**sizes, mode=mode, min_numel=1024, trace_path=path)
+        for name, mode in (("always", "always"), ("never", "never"), ("alternate", "always")):
+            path = os.path.join(tmp, name, "trace.json")  # the folder does not exist yet
+            strategy = AdERAStrategy(
+                **sizes,
+                mode=mode,
+                min_numel=1024,
+                alternate_steps=name == "alternate",
+                trace_path=path,
+            )
             _fit(strategy, tmp, max_steps=TRACE_STEPS)
         queue.put((rank, {}))
     except Exception as exc:
@@ -194,6 +204,17 @@ def test_trace_path_records_raw_and_adera_runs(tmp_path):
     for trace, method in ((adera, "adera"), (raw, "raw")):
         step_s = [s["step_s"] for s in trace.meta["steps"]]
         assert trace.measured_step_s[method] == pytest.approx(sum(step_s) / len(step_s))
+
+    # alternate_steps: even steps raw, odd steps compressed, the same exponent changes.
+    alternate = Trace.from_json(tmp_path / "alternate" / "trace.json")
+    steps = alternate.meta["steps"]
+    assert [s["method"] for s in steps] == ["raw", "adera"] * (TRACE_STEPS // 2)
+    assert [s["compressed_gathers"] for s in steps] == [0, 4] * (TRACE_STEPS // 2)
+    for name in ("raw", "adera"):
+        step_s = [s["step_s"] for s in steps if s["method"] == name]
+        assert alternate.measured_step_s[name] == pytest.approx(sum(step_s) / len(step_s))
+    for a, b in zip(alternate.events, adera.events, strict=True):
+        assert (a.group, a.phase, a.change_rate) == (b.group, b.phase, b.change_rate)
 
 
 def test_trace_path_is_validated():
