@@ -64,7 +64,7 @@ TECHNIQUES: tuple[Technique, ...] = (
        "Sparse prefill attention whose per-head budget is set from a cheap probe."),
     _T("AdERA", "adera", "Lightning Strategy (FSDP2)",
        "Lossless FSDP2 all-gather that resends only sign and mantissa when exponents repeat.",
-       status="in progress", issue=4),
+       status="implemented", issue=4),
     _T("AcceleGrad#", "accelegrad_sharp", "Optimizer",
        "Accelerated linear coupling of an adaptive anchor with a per-layer geometry step.",
        status="implemented", issue=5),
