@@ -10,7 +10,6 @@ predicted ``adera - raw`` step time with the measured one. The profile can come 
   and :meth:`HardwareProfile.fit_trace` fits the profile to those gathers;
 - :meth:`HardwareProfile.fit_trace` of other recorded runs (e.g. other seeds: a held-out check);
 - :meth:`HardwareProfile.fit_trace` of the run itself (tests only how the step model composes).
-
 """
 
 from __future__ import annotations
