@@ -45,6 +45,7 @@ import re
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import matplotlib
@@ -389,17 +390,12 @@ def _times(runs: dict, merged: dict, dtypes: list[str], seeds: list[int]):
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for dtype in dtypes:
-        columns: dict[str, list[float]] = {}
-
-        def add(name: str, value: float | None, columns: dict = columns) -> None:
-            if value is not None:
-                columns.setdefault(name, []).append(value)
-
+        columns: dict[str, list[float]] = defaultdict(list)  # _mean_std skips None
         for seed in seeds:
             for m in ("plain", "adera"):
                 if (m, dtype, seed) in runs:
                     step_s = _profiler_step_s(runs[(m, dtype, seed)])
-                    add(m, None if step_s is None else 1e3 * step_s)
+                    columns[m].append(None if step_s is None else 1e3 * step_s)
             trace = merged.get((dtype, seed))
             if trace is None:
                 continue
@@ -407,16 +403,16 @@ def _times(runs: dict, merged: dict, dtypes: list[str], seeds: list[int]):
             raw_s, adera_s = trace.measured_step_s["raw"], trace.measured_step_s["adera"]
             gather_raw = sum(e.gather_s for e in trace.events) / n
             gather_adera = sum(e.adera_gather_s for e in trace.events) / n
-            add("ab_raw", 1e3 * raw_s)
-            add("ab_adera", 1e3 * adera_s)
-            add("ab_ratio", adera_s / raw_s)
-            add("gather_raw", 1e3 * gather_raw)
-            add("gather_adera", 1e3 * gather_adera)
-            add("gather_ratio", gather_adera / gather_raw)
-            add("codec", 1e3 * sum(e.codec_s for e in trace.events) / n)
-        summary[dtype] = columns
+            columns["ab_raw"].append(1e3 * raw_s)
+            columns["ab_adera"].append(1e3 * adera_s)
+            columns["ab_ratio"].append(adera_s / raw_s)
+            columns["gather_raw"].append(1e3 * gather_raw)
+            columns["gather_adera"].append(1e3 * gather_adera)
+            columns["gather_ratio"].append(gather_adera / gather_raw)
+            columns["codec"].append(1e3 * sum(e.codec_s for e in trace.events) / n)
+        summary[dtype] = dict(columns)
         cells = [
-            _mean_std(columns.get(name, []), digits)
+            _mean_std(columns[name], digits)
             for name, digits in (
                 ("plain", 1),
                 ("adera", 1),

@@ -14,18 +14,14 @@ predicted ``adera - raw`` step time with the measured one. The profile can come 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ada_modules.strategies.adera_sim import (
-    Baselines,
-    GatherEvent,
-    HardwareProfile,
-    Trace,
-    simulate,
-)
+from ada_modules.strategies.adera_sim import Baselines, HardwareProfile, Trace, simulate
+from ada_modules.strategies.adera_trace import trace_from_records
 
 __all__ = ["CalibrationResult", "calibration_error", "measure_gloo_gathers", "run_gloo_ranks"]
 
@@ -68,6 +64,7 @@ def calibration_error(
         ValueError: If the measurement or the profile is missing.
 
     Examples:
+        >>> from ada_modules.strategies.adera_sim import GatherEvent
         >>> cpu = HardwareProfile.calibrate(1e-4, 1e9, 2e8, 3e8)
         >>> events = [GatherEvent("g", 2**20, "bf16", 0.02, i, "forward", 1e-2) for i in range(2)]
         >>> model = {m: simulate(Trace(events, 2), 2, cpu, "ring", m, "always").step_s
@@ -114,8 +111,9 @@ def measure_gloo_gathers(
     changes the exponents of about ``change_rate`` of the shard's random weights and gathers
     twice, as FSDP2 does before the forward (the changes) and before the backward (none). A
     barrier precedes every gather, so no rank waits for the other's compute. Rank 0's records
-    become the events of the returned trace (``gather_s`` of mode ``"never"``, ``adera_gather_s``
-    and ``codec_s`` of mode ``"always"``, no compute), ready for
+    become the events of the returned trace (:func:`trace_from_records`, one gather per step:
+    ``gather_s`` of mode ``"never"``, ``adera_gather_s`` and ``codec_s`` of mode ``"always"``, no
+    compute), ready for
     :meth:`HardwareProfile.fit_trace`: a profile of this machine that has not seen any training
     run.
 
@@ -139,29 +137,15 @@ def measure_gloo_gathers(
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     config = (dtype, [int(n) for n in shard_numels], change_rate, repeats)
     records = run_gloo_ranks(_gather_worker, config)[0]
-    events = [
-        GatherEvent(
-            group=group,
-            numel=numel,
-            dtype=dtype,
-            change_rate=1.0 if changed is None else changed / numel,
-            order=order,
-            phase=phase,
-            compute_s=0.0,
-            step=step,
-            gather_s=None if compressed else wall - codec_s,
-            adera_gather_s=wall if compressed else None,
-            codec_s=codec_s if compressed else None,
-        )
-        for step, order, group, numel, phase, wall, codec_s, compressed, changed in records
-    ]
-    return Trace(
-        events=events,
+    # One "step" per gather, ending when the gather returns: no compute, no rest.
+    return trace_from_records(
+        [([r], r.start_s, r.ready_s, r.ready_s) for r in records],
         world_size=2,
+        method=["adera" if r.compressed else "raw" for r in records],
         meta={
             "micro_benchmark": {
                 "dtype": dtype,
-                "shard_numels": list(config[1]),
+                "shard_numels": config[1],
                 "change_rate": change_rate,
                 "repeats": repeats,
             }
@@ -217,7 +201,7 @@ def _gather_worker(rank: int, port: int, config: tuple, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.group.WORLD
-    rows = []
+    records = []
     try:
         generator = torch.Generator().manual_seed(rank)
         for numel in shard_numels:
@@ -236,20 +220,7 @@ def _gather_worker(rank: int, port: int, config: tuple, results: Any) -> None:
                         dist.barrier()
                         comm(output, shard, group)
                         if comm.trace:
-                            r = comm.trace.pop()
-                            rows.append(
-                                (
-                                    round_,
-                                    len(rows),
-                                    r.group,
-                                    r.numel,
-                                    phase,
-                                    r.end_s - r.start_s,
-                                    r.codec_s,
-                                    r.compressed,
-                                    r.changed,
-                                )
-                            )
-        results.put((rank, rows))
+                            records.append(dataclasses.replace(comm.trace.pop(), phase=phase))
+        results.put((rank, records))
     finally:
         dist.destroy_process_group()
