@@ -228,3 +228,17 @@ def test_trace_from_records_needs_a_step():
 
     with pytest.raises(ValueError, match="no training step"):
         trace_from_records([], world_size=2, method="raw")
+
+
+def test_trace_from_records_needs_one_method_per_step():
+    from ada_modules.strategies.adera_trace import GatherRecord, trace_from_records
+
+    record = GatherRecord(
+        "g", 4096, "bf16", "forward", 1.0, 1.25, 1.25, 0.0, False, False, 8192, 8192, 41
+    )
+    steps = [([record], 0.5, 2.0, 2.5)] * 2
+    for bad in (["raw"], ["raw", "zip"], "zip"):
+        with pytest.raises(ValueError, match="method must be"):
+            trace_from_records(steps, world_size=2, method=bad)
+    trace = trace_from_records(steps, world_size=2, method=["raw", "adera"])
+    assert trace.measured_step_s == {"raw": 2.0, "adera": 2.0}
