@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ada_modules.errors import InputError
+
 __all__ = ["STATUSES", "TECHNIQUES", "Technique", "by_slug"]
 
 STATUSES: tuple[str, ...] = ("planned", "in progress", "implemented")
@@ -44,9 +46,9 @@ class Technique:
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
-            raise ValueError(f"status={self.status!r}: expected one of {STATUSES}")
+            raise InputError(f"status={self.status!r}: expected one of {STATUSES}")
         if not self.slug.isidentifier() or self.slug != self.slug.lower():
-            raise ValueError(f"slug={self.slug!r}: expected a lower-case identifier")
+            raise InputError(f"slug={self.slug!r}: expected a lower-case identifier")
 
     @property
     def docs_path(self) -> str:

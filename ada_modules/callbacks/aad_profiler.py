@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
+from ada_modules.errors import InputError
 from ada_modules.kv.aad import AADAccumulator, AADProfile
 
 __all__ = ["AADProfiler"]
@@ -85,13 +86,13 @@ class AADProfiler(Callback):
         super().__init__()
         loops = tuple(loops)
         if not loops or any(loop not in _LOOPS for loop in loops):
-            raise ValueError(f"loops must be a non-empty subset of {_LOOPS}, got {loops!r}")
+            raise InputError(f"loops must be a non-empty subset of {_LOOPS}, got {loops!r}")
         if max_batches is not None and (
             isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
         ):
-            raise ValueError(f"max_batches must be a positive integer or None, got {max_batches!r}")
+            raise InputError(f"max_batches must be a positive integer or None, got {max_batches!r}")
         if not filename or "/" in filename:
-            raise ValueError(f"filename must be a non-empty base name, got {filename!r}")
+            raise InputError(f"filename must be a non-empty base name, got {filename!r}")
         self.dirpath = dirpath
         self.filename = filename
         self.loops = loops
@@ -110,7 +111,7 @@ class AADProfiler(Callback):
             getattr(pl_module, self.model_attribute, None) if self.model_attribute else pl_module
         )
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
-            raise TypeError(
+            raise InputError(
                 f"AADProfiler needs a transformers model at pl_module.{self.model_attribute or ''}"
                 f", got {type(model).__name__}"
             )

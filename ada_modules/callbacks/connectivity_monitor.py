@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from ada_modules.errors import InputError
 from ada_modules.nn.ancre import ConnectivityRouter, find_routers
 
 __all__ = ["ConnectivityMonitor", "render_connectivity"]
@@ -76,9 +77,9 @@ class ConnectivityMonitor(Callback):
     def __init__(self, every_n_steps: int = 100, log_images: bool = True) -> None:
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int):
-            raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
+            raise InputError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
         if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
+            raise InputError(f"every_n_steps must be a positive integer, got {every_n_steps!r}")
         self.every_n_steps = every_n_steps
         self.log_images = log_images
         self.last_logged_step = -1

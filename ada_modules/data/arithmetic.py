@@ -3,6 +3,7 @@
 import random
 
 from ada_modules.data.sequence_task import SequenceExample, SequenceTaskDataModule
+from ada_modules.errors import InputError
 
 __all__ = ["ArithmeticDataModule", "addition_scratchpad"]
 
@@ -21,7 +22,7 @@ def addition_scratchpad(a: int, b: int) -> str:
         '7+8+0=15,5+0+1=6>65'
     """
     if a < 0 or b < 0:
-        raise ValueError(f"a and b must be non-negative, got a={a}, b={b}")
+        raise InputError(f"a and b must be non-negative, got a={a}, b={b}")
     digits_a, digits_b = str(a)[::-1], str(b)[::-1]
     steps, carry = [], 0
     for i in range(max(len(digits_a), len(digits_b))):
@@ -86,9 +87,9 @@ class ArithmeticDataModule(SequenceTaskDataModule):
             num_workers=num_workers,
         )
         if not isinstance(min_digits, int) or min_digits < 1:
-            raise ValueError(f"min_digits must be an integer >= 1, got {min_digits!r}")
+            raise InputError(f"min_digits must be an integer >= 1, got {min_digits!r}")
         if not isinstance(max_digits, int) or not min_digits <= max_digits <= 32:
-            raise ValueError(
+            raise InputError(
                 f"max_digits must be an integer in [min_digits={min_digits}, 32], got {max_digits!r}"
             )
         self.min_digits = min_digits

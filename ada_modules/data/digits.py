@@ -6,6 +6,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from ada_modules.data.split_datamodule import SplitDataModule
+from ada_modules.errors import InputError
 
 __all__ = ["DigitsDataModule"]
 
@@ -74,14 +75,14 @@ class DigitsDataModule(SplitDataModule):
         )
         for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
-                raise ValueError(f"{name} must be a number in (0, 1), got {value!r}")
+                raise InputError(f"{name} must be a number in (0, 1), got {value!r}")
         if val_fraction + test_fraction > 0.5:
-            raise ValueError(
+            raise InputError(
                 f"val_fraction + test_fraction must be <= 0.5 (leaving half for training), got "
                 f"{val_fraction} + {test_fraction}"
             )
         if not isinstance(flatten, bool):
-            raise ValueError(f"flatten must be a bool, got {flatten!r}")
+            raise InputError(f"flatten must be a bool, got {flatten!r}")
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.flatten = flatten

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ada_modules.data.split_datamodule import SplitDataModule
+from ada_modules.errors import InputError
 from ada_modules.posttrain.envs.base import TextEnv
 
 __all__ = ["EnvTaskDataModule"]
@@ -65,10 +66,10 @@ class EnvTaskDataModule(SplitDataModule):
     ) -> None:
         super().__init__(seed=seed, batch_size=batch_size, eval_batch_size=eval_batch_size)
         if not isinstance(env, TextEnv):
-            raise TypeError(f"env must be a TextEnv, got {type(env).__name__}")
+            raise InputError(f"env must be a TextEnv, got {type(env).__name__}")
         for name, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
         self.env = env
         self.num_train = num_train
         self.num_val = num_val
@@ -86,7 +87,7 @@ class EnvTaskDataModule(SplitDataModule):
     def tasks(self, split: str) -> list[int]:
         """The task seeds of ``split`` (``"train"``, ``"val"`` or ``"test"``), set up on demand."""
         if split not in _SPLITS:
-            raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
+            raise InputError(f"split must be one of {_SPLITS}, got {split!r}")
         if split not in self.datasets:
             self.setup({"train": "fit", "val": "validate", "test": "test"}[split])
         return self.datasets[split]
@@ -104,7 +105,7 @@ class EnvTaskDataModule(SplitDataModule):
             if key in self._seen:
                 rejected += 1
                 if rejected > _MAX_REJECTION_FACTOR * size + 1000:
-                    raise ValueError(
+                    raise InputError(
                         f"could not draw num_{split}={size} tasks that are not in another split; "
                         "the environment has too few distinct tasks for these split sizes"
                     )

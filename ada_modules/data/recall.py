@@ -5,6 +5,7 @@ import string
 
 from ada_modules.data.sequence_task import SequenceExample, SequenceTaskDataModule
 from ada_modules.data.tokenizer import CharTokenizer
+from ada_modules.errors import InputError
 
 __all__ = ["RecallDataModule"]
 
@@ -107,9 +108,9 @@ class RecallDataModule(SequenceTaskDataModule):
             ("extra_queries", extra_queries, 0),
         ):
             if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+                raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
         if max_hops > num_pairs:
-            raise ValueError(
+            raise InputError(
                 f"max_hops={max_hops} needs at least as many links, num_pairs={num_pairs}"
             )
         if hop_weights is None:
@@ -119,7 +120,7 @@ class RecallDataModule(SequenceTaskDataModule):
             or any(w < 0 for w in hop_weights)
             or not sum(hop_weights) > 0
         ):
-            raise ValueError(
+            raise InputError(
                 f"hop_weights must be {max_hops} non-negative numbers (one per hop count "
                 f"1..max_hops) with a positive sum, got {hop_weights!r}"
             )
@@ -129,18 +130,18 @@ class RecallDataModule(SequenceTaskDataModule):
             ("filler_alphabet", filler_alphabet),
         ):
             if len(set(alphabet)) != len(alphabet) or not alphabet or set(alphabet) - vocabulary:
-                raise ValueError(
+                raise InputError(
                     f"{name} must be distinct tokenizer characters other than {_RESERVED!r}, "
                     f"got {alphabet!r}"
                 )
         num_chains = -(-num_pairs // max_hops)
         if len(key_alphabet) ** key_length < num_pairs + num_chains:
-            raise ValueError(
+            raise InputError(
                 f"key_alphabet^key_length = {len(key_alphabet)}^{key_length} distinct keys cannot "
                 f"hold the {num_pairs + num_chains} nodes of num_pairs={num_pairs} links"
             )
         if motif_length > filler_length:
-            raise ValueError(
+            raise InputError(
                 f"motif_length={motif_length} must not exceed filler_length={filler_length}"
             )
         self.num_pairs = num_pairs
@@ -158,7 +159,7 @@ class RecallDataModule(SequenceTaskDataModule):
         # those with its answer (at most max_hops of them: one per node before it on its chain).
         queries = sum(len(c) * (len(c) - 1) // 2 for c in self._chain_shapes())
         if extra_queries > queries - max_hops:
-            raise ValueError(
+            raise InputError(
                 f"extra_queries={extra_queries} exceeds the {queries - max_hops} distinct "
                 f"queries that num_pairs={num_pairs}, max_hops={max_hops} allow besides the "
                 "final query and those sharing its answer"

@@ -12,6 +12,7 @@ import torch
 
 from ada_modules.data.split_datamodule import SplitDataModule
 from ada_modules.data.tokenizer import CharTokenizer
+from ada_modules.errors import InputError
 
 __all__ = ["SequenceCollator", "SequenceExample", "SequenceTaskDataModule"]
 
@@ -136,7 +137,7 @@ class SequenceTaskDataModule(SplitDataModule, ABC):
         )
         for name, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
         self.num_train = num_train
         self.num_val = num_val
         self.num_test = num_test
@@ -180,7 +181,7 @@ class SequenceTaskDataModule(SplitDataModule, ABC):
             if digest in self._seen:
                 rejected += 1
                 if rejected > _MAX_REJECTION_FACTOR * size + 1000:
-                    raise ValueError(
+                    raise InputError(
                         f"could not draw num_{split}={size} prompts that are not in another split; "
                         "the task has too few distinct prompts for these split sizes"
                     )

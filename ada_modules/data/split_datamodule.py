@@ -8,6 +8,8 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
+from ada_modules.errors import InputError
+
 __all__ = ["SplitDataModule"]
 
 
@@ -43,16 +45,16 @@ class SplitDataModule(LightningDataModule):
         if seed is None:
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+            raise InputError(f"seed must be an integer or None, got {seed!r}")
         for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+                raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
         if eval_batch_size is not None and (
             isinstance(eval_batch_size, bool)
             or not isinstance(eval_batch_size, int)
             or eval_batch_size < 1
         ):
-            raise ValueError(
+            raise InputError(
                 f"eval_batch_size must be None or an integer >= 1, got {eval_batch_size!r}"
             )
         self.seed = seed

@@ -2,6 +2,8 @@
 
 from collections.abc import Iterable
 
+from ada_modules.errors import InputError
+
 __all__ = ["CharTokenizer"]
 
 _SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
@@ -47,7 +49,7 @@ class CharTokenizer:
         try:
             ids = [self._id_of[ch] for ch in text]
         except KeyError as err:
-            raise ValueError(
+            raise InputError(
                 f"text contains {err.args[0]!r}, which is not in the CharTokenizer vocabulary"
             ) from None
         if add_bos:

@@ -12,6 +12,8 @@ from typing import Literal, get_args
 
 import torch
 
+from ada_modules.errors import InputError
+
 __all__ = ["Impl", "interpreter_enabled", "resolve_impl", "triton_available"]
 
 Impl = Literal["auto", "triton", "torch"]
@@ -75,13 +77,13 @@ def resolve_impl(impl: Impl, *tensors: torch.Tensor) -> Literal["triton", "torch
         'torch'
     """
     if not tensors:
-        raise TypeError("resolve_impl needs at least one tensor")
+        raise InputError("resolve_impl needs at least one tensor")
     if impl not in get_args(Impl):
-        raise ValueError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
+        raise InputError(f"impl must be one of {get_args(Impl)}, got {impl!r}")
     devices = {t.device for t in tensors}
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
-        raise ValueError(f"expected all tensors on one device, got {names}")
+        raise InputError(f"expected all tensors on one device, got {names}")
     if impl == "torch":
         return "torch"
     on_cuda = all(d.type == "cuda" for d in devices)
@@ -91,7 +93,7 @@ def resolve_impl(impl: Impl, *tensors: torch.Tensor) -> Literal["triton", "torch
         raise RuntimeError("impl='triton' needs the triton package, which cannot be imported here")
     if not on_cuda and not interpreter_enabled():
         (device,) = devices
-        raise ValueError(
+        raise InputError(
             f"impl='triton' needs CUDA tensors, got tensors on {device}; to run the kernel on CPU "
             "set TRITON_INTERPRET=1 in the environment before triton is imported, or use impl='torch'"
         )

@@ -64,6 +64,7 @@ from typing import NamedTuple
 
 import torch
 
+from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
 
 __all__ = [
@@ -119,7 +120,7 @@ class PayloadHeader(NamedTuple):
 
 def _check_dtype(dtype: torch.dtype, name: str = "x") -> None:
     if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
+        raise InputError(
             f"{name} has dtype {dtype}; the exponent codec supports only torch.bfloat16 and "
             "torch.float32 (fp16/fp8/integer shards must be sent raw)"
         )
@@ -132,19 +133,19 @@ def _check_chunk_size(chunk_size: int) -> None:
         or not _MIN_CHUNK <= chunk_size <= _MAX_CHUNK
         or chunk_size & (chunk_size - 1)
     ):
-        raise ValueError(
+        raise InputError(
             f"chunk_size must be a power of two in [{_MIN_CHUNK}, {_MAX_CHUNK}], got {chunk_size!r}"
         )
 
 
 def _check_nonnegative_int(value: int, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        raise InputError(f"{name} must be a non-negative int, got {value!r}")
 
 
 def _check_shard_and_cache(x: torch.Tensor, cache: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or not isinstance(cache, torch.Tensor):
-        raise TypeError(
+        raise InputError(
             f"x and cache must be torch.Tensors, got {type(x).__name__} and {type(cache).__name__}"
         )
     _check_dtype(x.dtype)
@@ -153,11 +154,11 @@ def _check_shard_and_cache(x: torch.Tensor, cache: torch.Tensor) -> None:
 
 def _check_cache(cache: torch.Tensor, numel: int, device: torch.device) -> None:
     if cache.dtype != torch.uint8:
-        raise ValueError(f"cache must have dtype torch.uint8, got {cache.dtype}")
+        raise InputError(f"cache must have dtype torch.uint8, got {cache.dtype}")
     if cache.numel() != numel:
-        raise ValueError(f"cache must have {numel} elements (one per element), got {cache.numel()}")
+        raise InputError(f"cache must have {numel} elements (one per element), got {cache.numel()}")
     if cache.device != device:
-        raise ValueError(f"cache must be on {device}, got {cache.device}")
+        raise InputError(f"cache must be on {device}, got {cache.device}")
 
 
 def raw_nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -239,7 +240,7 @@ def chunk_stream_nbytes(
     _check_chunk_size(chunk_size)
     n_chunks = math.ceil(numel / chunk_size)
     if counts.shape[-1:] != (n_chunks,):
-        raise ValueError(
+        raise InputError(
             f"counts must end with a dimension of {n_chunks} chunks, got shape {tuple(counts.shape)}"
         )
     return _chunk_layout(counts, numel, chunk_size)[2]
@@ -358,15 +359,15 @@ def read_header(buffer: torch.Tensor) -> PayloadHeader:
         PayloadHeader(numel=100, dtype=torch.float32, chunk_size=1024, stream_nbytes=0, capacity_bytes=0)
     """
     if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
-        raise ValueError("buffer must be a 1-D torch.uint8 tensor")
+        raise InputError("buffer must be a 1-D torch.uint8 tensor")
     if buffer.numel() < HEADER_NBYTES:
-        raise ValueError(
+        raise InputError(
             f"buffer has {buffer.numel()} bytes, fewer than the {HEADER_NBYTES}-byte header"
         )
     head = buffer[:HEADER_NBYTES].to("cpu", copy=True)
     magic, version, code, log_chunk = head[:4].tolist()
     if magic != _MAGIC or version != _VERSION or code not in _CODE_DTYPES:
-        raise ValueError(
+        raise InputError(
             f"buffer does not start with an exponent-codec header (magic {magic:#x}, version "
             f"{version}, dtype code {code})"
         )
@@ -386,12 +387,12 @@ def _check_buffer(
     if header is None:
         header = read_header(buffer)
     if header.numel != numel or header.dtype != dtype:
-        raise ValueError(
+        raise InputError(
             f"buffer holds {header.numel} elements of {header.dtype}, expected {numel} of {dtype}"
         )
     expected = payload_nbytes(numel, dtype, header.capacity_bytes, header.chunk_size)
     if buffer.numel() != expected:
-        raise ValueError(f"buffer has {buffer.numel()} bytes, its header implies {expected}")
+        raise InputError(f"buffer has {buffer.numel()} bytes, its header implies {expected}")
     _check_cache(cache, numel, buffer.device)
     return header
 
@@ -400,18 +401,18 @@ def _check_spill(spill: torch.Tensor | None, header: PayloadHeader, device: torc
     need = max(header.stream_nbytes - header.capacity_bytes, 0)
     have = 0 if spill is None else spill.numel()
     if have != need:
-        raise ValueError(
+        raise InputError(
             f"spill must hold the {need} exception bytes that did not fit the buffer, got {have}"
         )
     if spill is not None and (spill.dtype != torch.uint8 or spill.device != device):
-        raise ValueError(
+        raise InputError(
             f"spill must be torch.uint8 on {device}, got {spill.dtype} on {spill.device}"
         )
 
 
 def _check_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype, name: str) -> None:
     if out is not None and (out.dtype != dtype or out.numel() != numel or not out.is_contiguous()):
-        raise ValueError(
+        raise InputError(
             f"{name} must be a contiguous tensor of {numel} elements of {dtype}, got "
             f"{out.numel()} of {out.dtype}"
         )

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
 
 __all__ = [
@@ -111,11 +112,11 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _check_float_input(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"x must have dtype in {_INPUT_DTYPES}, got {x.dtype}")
+        raise InputError(f"x must have dtype in {_INPUT_DTYPES}, got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(
+        raise InputError(
             f"x must have at least one dimension and a non-empty last dimension (the row), "
             f"got shape {tuple(x.shape)}"
         )
@@ -123,17 +124,17 @@ def _check_float_input(x: torch.Tensor) -> None:
 
 def _check_codes(q: torch.Tensor, scale: torch.Tensor) -> None:
     if not isinstance(q, torch.Tensor) or not isinstance(scale, torch.Tensor):
-        raise TypeError(
+        raise InputError(
             f"q and scale must be torch.Tensors, got {type(q).__name__} and {type(scale).__name__}"
         )
     if q.dtype != torch.int8:
-        raise TypeError(f"q must have dtype torch.int8, got {q.dtype}")
+        raise InputError(f"q must have dtype torch.int8, got {q.dtype}")
     if scale.dtype != torch.float32:
-        raise TypeError(f"scale must have dtype torch.float32, got {scale.dtype}")
+        raise InputError(f"scale must have dtype torch.float32, got {scale.dtype}")
     if q.dim() == 0:
-        raise ValueError("q must have at least one dimension (the row), got a 0-d tensor")
+        raise InputError("q must have at least one dimension (the row), got a 0-d tensor")
     if scale.shape != q.shape[:-1]:
-        raise ValueError(
+        raise InputError(
             f"scale must have shape q.shape[:-1] = {tuple(q.shape[:-1])}, got {tuple(scale.shape)}"
         )
 

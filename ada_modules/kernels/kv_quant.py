@@ -51,6 +51,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
 
 __all__ = [
@@ -80,7 +81,7 @@ Kind = Literal["key", "value"]
 
 def _check_bits(bits: int, name: str = "bits") -> None:
     if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
+        raise InputError(f"{name} must be one of {SUPPORTED_BITS}, got {bits!r}")
 
 
 def _check_group_size(group_size: int, name: str = "group_size") -> None:
@@ -90,7 +91,7 @@ def _check_group_size(group_size: int, name: str = "group_size") -> None:
         or group_size < 1
         or group_size & (group_size - 1)
     ):
-        raise ValueError(f"{name} must be a positive power of two, got {group_size!r}")
+        raise InputError(f"{name} must be a positive power of two, got {group_size!r}")
 
 
 def packed_words(head_dim: int, bits: int) -> int:
@@ -170,7 +171,7 @@ class PackedTensor:
                 first.group_size,
                 first.head_dim,
             ):
-                raise ValueError(
+                raise InputError(
                     "can only concatenate packed tensors of one kind, bit width, group size and "
                     f"head dim, got {(p.kind, p.bits, p.group_size, p.head_dim)} after "
                     f"{(first.kind, first.bits, first.group_size, first.head_dim)}"
@@ -200,12 +201,12 @@ class QuantizedKV:
 
     def __post_init__(self) -> None:
         if self.keys.kind != "key" or self.values.kind != "value":
-            raise ValueError(
+            raise InputError(
                 f"QuantizedKV needs keys of kind 'key' and values of kind 'value', got "
                 f"{self.keys.kind!r} and {self.values.kind!r}"
             )
         if self.keys.codes.shape[:-1] != self.values.codes.shape[:-1]:
-            raise ValueError(
+            raise InputError(
                 "keys and values must have the same leading dims and tokens, got "
                 f"{tuple(self.keys.codes.shape[:-1])} and {tuple(self.values.codes.shape[:-1])}"
             )
@@ -268,7 +269,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
     """
     _check_bits(bits)
     if packed.shape[-1] != packed_words(head_dim, bits):
-        raise ValueError(
+        raise InputError(
             f"packed has {packed.shape[-1]} words per row, expected "
             f"packed_words({head_dim}, {bits}) = {packed_words(head_dim, bits)}"
         )
@@ -295,21 +296,21 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
 
 def _check_states(x: torch.Tensor, bits: int, group_size: int, kind: Kind) -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"x must have dtype in {_FLOAT_DTYPES}, got {x.dtype}")
+        raise InputError(f"x must have dtype in {_FLOAT_DTYPES}, got {x.dtype}")
     if x.dim() < 2:
-        raise ValueError(f"x must have shape (..., tokens, head_dim), got {tuple(x.shape)}")
+        raise InputError(f"x must have shape (..., tokens, head_dim), got {tuple(x.shape)}")
     _check_bits(bits)
     _check_group_size(group_size)
     tokens, head_dim = x.shape[-2:]
     if kind == "key" and tokens % group_size:
-        raise ValueError(
+        raise InputError(
             f"keys are grouped over tokens: group_size={group_size} must divide the number of "
             f"tokens, got {tokens}"
         )
     if kind == "value" and head_dim % group_size:
-        raise ValueError(
+        raise InputError(
             f"values are grouped over channels: group_size={group_size} must divide the head "
             f"dim, got {head_dim}"
         )
@@ -317,14 +318,14 @@ def _check_states(x: torch.Tensor, bits: int, group_size: int, kind: Kind) -> No
 
 def _check_packed(packed: PackedTensor) -> None:
     if not isinstance(packed, PackedTensor):
-        raise TypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
+        raise InputError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     _check_bits(packed.bits, "packed.bits")
     _check_group_size(packed.group_size, "packed.group_size")
     if packed.codes.dtype != torch.int32:
-        raise TypeError(f"packed.codes must be int32, got {packed.codes.dtype}")
+        raise InputError(f"packed.codes must be int32, got {packed.codes.dtype}")
     words = packed_words(packed.head_dim, packed.bits)
     if packed.codes.shape[-1] != words:
-        raise ValueError(
+        raise InputError(
             f"packed.codes has {packed.codes.shape[-1]} words per token, expected {words} "
             f"for head_dim={packed.head_dim} at {packed.bits} bits"
         )
@@ -338,7 +339,7 @@ def _check_packed(packed: PackedTensor) -> None:
     )
     for name, t in (("scale", packed.scale), ("zero", packed.zero)):
         if tuple(t.shape) != want:
-            raise ValueError(f"packed.{name} must have shape {want}, got {tuple(t.shape)}")
+            raise InputError(f"packed.{name} must have shape {want}, got {tuple(t.shape)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -946,46 +947,46 @@ def _check_decode_args(
     """Validate the decode-attention arguments; return the total number of keys."""
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-        raise ValueError(f"query must have shape (batch, heads, head_dim), got {shape}")
+        raise InputError(f"query must have shape (batch, heads, head_dim), got {shape}")
     if query.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"query must have dtype in {_FLOAT_DTYPES}, got {query.dtype}")
+        raise InputError(f"query must have dtype in {_FLOAT_DTYPES}, got {query.dtype}")
     batch, heads, head_dim = query.shape
     if (residual_keys is None) != (residual_values is None):
-        raise ValueError("residual_keys and residual_values must be given together")
+        raise InputError("residual_keys and residual_values must be given together")
     layouts = []
     for i, seg in enumerate(segments):
         if not isinstance(seg, QuantizedKV):
-            raise TypeError(f"segments[{i}] must be a QuantizedKV, got {type(seg).__name__}")
+            raise InputError(f"segments[{i}] must be a QuantizedKV, got {type(seg).__name__}")
         _check_packed(seg.keys)
         _check_packed(seg.values)
         lead = tuple(seg.keys.codes.shape[:-2])
         layouts.append((f"segments[{i}]", lead, seg.keys.head_dim))
     if residual_keys is not None:
         if residual_keys.dim() != 4 or residual_keys.shape != residual_values.shape:
-            raise ValueError(
+            raise InputError(
                 "residual_keys and residual_values must share a shape (batch, kv_heads, tokens, "
                 f"head_dim), got {tuple(residual_keys.shape)} and {tuple(residual_values.shape)}"
             )
         layouts.append(("residual_keys", tuple(residual_keys.shape[:2]), residual_keys.shape[-1]))
     if not layouts:
-        raise ValueError("decode attention needs at least one segment or a residual window")
+        raise InputError("decode attention needs at least one segment or a residual window")
     kv_heads = layouts[0][1][-1] if len(layouts[0][1]) == 2 else -1
     for name, lead, dim in layouts:
         if len(lead) != 2 or lead[0] != batch or lead[1] != kv_heads or dim != head_dim:
-            raise ValueError(
+            raise InputError(
                 f"{name} must have batch={batch}, {kv_heads} kv heads and head_dim={head_dim} "
                 f"like the first key/value tensor and the query, got leading dims {lead} and "
                 f"head_dim {dim}"
             )
     if heads % kv_heads:
-        raise ValueError(
+        raise InputError(
             f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})"
         )
     total = sum(s.num_tokens for s in segments)
     if residual_keys is not None:
         total += residual_keys.shape[-2]
     if key_mask is not None and (key_mask.dtype != torch.bool or key_mask.shape != (batch, total)):
-        raise ValueError(
+        raise InputError(
             f"key_mask must be a bool tensor of shape (batch, keys) = {(batch, total)}, got "
             f"{key_mask.dtype} {tuple(key_mask.shape)}"
         )
@@ -1232,7 +1233,7 @@ def decode_attention(
     """
     _check_decode_args(query, segments, residual_keys, residual_values, key_mask)
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive integer or None, got {num_splits!r}")
+        raise InputError(f"num_splits must be a positive integer or None, got {num_splits!r}")
     tensors = [query]
     for s in segments:
         tensors += [s.keys.codes, s.keys.scale, s.values.codes, s.values.scale]

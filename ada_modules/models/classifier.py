@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from ada_modules.errors import InputError
 from ada_modules.optim.chain import OptimizerChain
 from ada_modules.optim.param_groups import check_radii, geometry_param_groups, split_param_groups
 
@@ -120,11 +121,11 @@ class ImageClassifierModule(LightningModule):
     ) -> None:
         super().__init__()
         if architecture not in ("mlp", "cnn"):
-            raise ValueError(f"architecture must be 'mlp' or 'cnn', got {architecture!r}")
+            raise InputError(f"architecture must be 'mlp' or 'cnn', got {architecture!r}")
         if param_groups not in ("all", "geometry"):
-            raise ValueError(f"param_groups must be 'all' or 'geometry', got {param_groups!r}")
+            raise InputError(f"param_groups must be 'all' or 'geometry', got {param_groups!r}")
         if radii is not None and param_groups != "geometry":
-            raise ValueError("radii needs param_groups='geometry'")
+            raise InputError("radii needs param_groups='geometry'")
         check_radii(radii)
         hidden_sizes = [128] if hidden_sizes is None else list(hidden_sizes)
         channels = [16, 32] if channels is None else list(channels)
@@ -136,7 +137,7 @@ class ImageClassifierModule(LightningModule):
             ("num_classes", num_classes, 2),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+                raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
         self.save_hyperparameters(ignore=["optimizer", "aux_optimizer", "lr_scheduler", "trunk"])
         self.optimizer = optimizer
         self.aux_optimizer = aux_optimizer
@@ -263,7 +264,7 @@ class ImageClassifierModule(LightningModule):
             hidden = [p for p in self.parameters() if p.ndim == 2 and p is not self.head.weight]
             main, aux = split_param_groups(groups, hidden)
             if not main or not aux:
-                raise ValueError(
+                raise InputError(
                     "aux_optimizer needs both 2-D hidden weight matrices (for optimizer) and other "
                     "parameters (for aux_optimizer); set hidden_sizes or drop aux_optimizer"
                 )
@@ -279,7 +280,7 @@ class ImageClassifierModule(LightningModule):
 
 def _check_sizes(name: str, sizes: list[int], allow_empty: bool) -> None:
     if not allow_empty and not sizes:
-        raise ValueError(f"{name} must not be empty")
+        raise InputError(f"{name} must not be empty")
     for size in sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} must be positive integers, got {sizes!r}")
+            raise InputError(f"{name} must be positive integers, got {sizes!r}")

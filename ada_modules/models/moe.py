@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric
 
 from ada_modules.data.tokenizer import CharTokenizer
+from ada_modules.errors import InputError
 from ada_modules.nn.moe import MoELayer
 from ada_modules.optim.param_groups import weight_decay_param_groups
 
@@ -40,7 +41,7 @@ class MoEBlock(nn.Module):
     def __init__(self, d_model: int, num_heads: int, d_ff: int, num_experts: int, top_k: int):
         super().__init__()
         if d_model % num_heads:
-            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+            raise InputError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         self.num_heads = num_heads
         self.attn_norm = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
@@ -105,7 +106,7 @@ class MoETransformer(nn.Module):
         """Logits ``(batch, seq, vocab)`` and the mean load-balancing loss over the blocks."""
         seq = input_ids.shape[1]
         if seq > self.max_seq_len:
-            raise ValueError(f"input length {seq} exceeds max_seq_len={self.max_seq_len}")
+            raise InputError(f"input length {seq} exceeds max_seq_len={self.max_seq_len}")
         x = self.embed(input_ids) + self.pos(torch.arange(seq, device=input_ids.device))
         aux_total = x.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
@@ -199,15 +200,15 @@ class MoELMModule(LightningModule):
             ("max_seq_len", max_seq_len),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
         if top_k > num_experts:
-            raise ValueError(f"top_k={top_k} must not exceed num_experts={num_experts}")
+            raise InputError(f"top_k={top_k} must not exceed num_experts={num_experts}")
         if d_model % num_heads:
-            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+            raise InputError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         if not (isinstance(aux_loss_weight, int | float) and aux_loss_weight >= 0):
-            raise ValueError(f"aux_loss_weight must be a number >= 0, got {aux_loss_weight!r}")
+            raise InputError(f"aux_loss_weight must be a number >= 0, got {aux_loss_weight!r}")
         if fsdp_param_dtype is not None and fsdp_param_dtype not in _PARAM_DTYPES:
-            raise ValueError(
+            raise InputError(
                 f"fsdp_param_dtype must be None or one of {sorted(_PARAM_DTYPES)}, "
                 f"got {fsdp_param_dtype!r}"
             )

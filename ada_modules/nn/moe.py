@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ada_modules.errors import InputError
+
 __all__ = ["MoELayer", "Routing", "StackedExperts", "load_balancing_loss"]
 
 
@@ -67,9 +69,9 @@ def load_balancing_loss(
         tensor(1.3000)
     """
     if probs.ndim != 2 or probs.shape[1] != num_experts:
-        raise ValueError(f"probs must have shape (T, {num_experts}), got {tuple(probs.shape)}")
+        raise InputError(f"probs must have shape (T, {num_experts}), got {tuple(probs.shape)}")
     if indices.ndim != 2 or indices.shape[0] != probs.shape[0]:
-        raise ValueError(
+        raise InputError(
             f"indices must have shape ({probs.shape[0]}, top_k), got {tuple(indices.shape)}"
         )
     counts = torch.bincount(indices.reshape(-1), minlength=num_experts).to(probs.dtype)
@@ -195,7 +197,7 @@ class MoELayer(nn.Module):
         ):
             _check_positive(name, value)
         if top_k > num_experts:
-            raise ValueError(f"top_k={top_k} must not exceed num_experts={num_experts}")
+            raise InputError(f"top_k={top_k} must not exceed num_experts={num_experts}")
         self.d_model = d_model
         self.num_experts = num_experts
         self.top_k = top_k
@@ -221,7 +223,7 @@ class MoELayer(nn.Module):
             ValueError: If the last dimension of ``x`` is not ``d_model``.
         """
         if x.ndim < 1 or x.shape[-1] != self.d_model:
-            raise ValueError(
+            raise InputError(
                 f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}"
             )
         flat = x.reshape(-1, self.d_model)
@@ -233,4 +235,4 @@ class MoELayer(nn.Module):
 
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise InputError(f"{name} must be a positive integer, got {value!r}")

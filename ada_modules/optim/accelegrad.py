@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ada_modules.errors import InputError
+
 __all__ = ["AcceleGrad", "accelegrad_alpha"]
 
 
@@ -82,11 +84,11 @@ class AcceleGrad(Optimizer):
         proj_radius: float | None = None,
     ) -> None:
         if not lr > 0:
-            raise ValueError(f"lr (the diameter D) must be > 0, got {lr!r}")
+            raise InputError(f"lr (the diameter D) must be > 0, got {lr!r}")
         if not g0 > 0:
-            raise ValueError(f"g0 must be > 0, got {g0!r}")
+            raise InputError(f"g0 must be > 0, got {g0!r}")
         if proj_radius is not None and not proj_radius > 0:
-            raise ValueError(f"proj_radius must be > 0 or None, got {proj_radius!r}")
+            raise InputError(f"proj_radius must be > 0 or None, got {proj_radius!r}")
         super().__init__(params, {"lr": lr, "g0": g0, "proj_radius": proj_radius})
 
     def _init_group(self, group: dict[str, Any]) -> list[Tensor]:
@@ -95,7 +97,7 @@ class AcceleGrad(Optimizer):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise ValueError("AcceleGrad does not support sparse gradients")
+                raise InputError("AcceleGrad does not support sparse gradients")
             state = self.state[p]
             if "y" not in state:
                 state["y"] = p.detach().clone()
@@ -162,7 +164,7 @@ class AcceleGrad(Optimizer):
         left alone.
         """
         if which not in ("average", "last"):
-            raise ValueError(f"which must be 'average' or 'last', got {which!r}")
+            raise InputError(f"which must be 'average' or 'last', got {which!r}")
         key = "ybar" if which == "average" else "y"
         return _Swap(self, lambda p, st: st.get(key))
 

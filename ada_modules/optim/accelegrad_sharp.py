@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ada_modules.errors import InputError
 from ada_modules.optim import lmo as _lmo
 from ada_modules.optim.accelegrad import _sum_sq, _Swap, accelegrad_alpha
 
@@ -154,14 +155,14 @@ class AcceleGradSharp(Optimizer):
         _validate(group)
         for i, p in enumerate(group["params"]):
             if p.is_complex() or not p.is_floating_point():
-                raise TypeError(
+                raise InputError(
                     f"AcceleGradSharp needs real floating parameters, got {p.dtype} for "
                     f"{_name(group, i)}"
                 )
             try:
                 _resolve_norm(group, p).check(p)
             except ValueError as err:
-                raise ValueError(f"{_name(group, i)}: {err}") from None
+                raise InputError(f"{_name(group, i)}: {err}") from None
 
     def _init_group(self, group: dict[str, Any]) -> list[Tensor]:
         need_s = group["anchor"] == "diagonal" or group["geometry"] == "mirror"
@@ -192,7 +193,7 @@ class AcceleGradSharp(Optimizer):
             indexed = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
             for i, p in indexed:
                 if p.grad.is_sparse:
-                    raise ValueError(
+                    raise InputError(
                         f"AcceleGradSharp does not support sparse gradients ({_name(group, i)})"
                     )
             if not indexed:
@@ -347,14 +348,14 @@ def _resolve_norm(group: dict[str, Any], p: Tensor) -> _lmo.Norm:
 def _validate(group: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming the first bad option of ``group``."""
     if not group["lr"] > 0:
-        raise ValueError(f"lr (the step scale D) must be > 0, got {group['lr']!r}")
+        raise InputError(f"lr (the step scale D) must be > 0, got {group['lr']!r}")
     for key in ("radius", "proj_radius"):
         if group[key] is not None and not group[key] > 0:
-            raise ValueError(f"{key} must be > 0 or None, got {group[key]!r}")
+            raise InputError(f"{key} must be > 0 or None, got {group[key]!r}")
     if not group["g0"] > 0:
-        raise ValueError(f"g0 must be > 0, got {group['g0']!r}")
+        raise InputError(f"g0 must be > 0, got {group['g0']!r}")
     if not group["eps"] >= 0:
-        raise ValueError(f"eps must be >= 0, got {group['eps']!r}")
+        raise InputError(f"eps must be >= 0, got {group['eps']!r}")
     for key, allowed in (
         ("anchor", ANCHORS),
         ("geometry", GEOMETRIES),
@@ -362,15 +363,15 @@ def _validate(group: dict[str, Any]) -> None:
         ("nonfinite", _NONFINITE),
     ):
         if group[key] not in allowed:
-            raise ValueError(f"unknown {key} {group[key]!r}; allowed: {', '.join(allowed)}")
+            raise InputError(f"unknown {key} {group[key]!r}; allowed: {', '.join(allowed)}")
     norm = group["norm"]
     if not (norm is None or isinstance(norm, _lmo.Norm) or norm in _lmo.NORM_NAMES):
-        raise ValueError(f"unknown norm {norm!r}; allowed: None, {', '.join(_lmo.NORM_NAMES)}")
+        raise InputError(f"unknown norm {norm!r}; allowed: None, {', '.join(_lmo.NORM_NAMES)}")
     norm_kwargs = group["norm_kwargs"]
     if norm_kwargs is not None and not isinstance(norm_kwargs, dict):
-        raise TypeError(f"norm_kwargs must be a dict or None, got {norm_kwargs!r}")
+        raise InputError(f"norm_kwargs must be a dict or None, got {norm_kwargs!r}")
     if norm_kwargs and not isinstance(norm, str):
-        raise ValueError(f"norm_kwargs {norm_kwargs!r} needs a norm name, got norm={norm!r}")
+        raise InputError(f"norm_kwargs {norm_kwargs!r} needs a norm name, got norm={norm!r}")
 
 
 # Elementwise kernels: one torch._foreach_* call per list, or a loop of the same per-tensor ops.

@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from ada_modules.errors import InputError
+
 __all__ = ["OptimizerChain"]
 
 
@@ -58,7 +60,7 @@ class OptimizerChain(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         states = state_dict["optimizers"]
         if len(states) != len(self.optimizers):
-            raise ValueError(
+            raise InputError(
                 f"state_dict holds {len(states)} optimizers, the chain has {len(self.optimizers)}"
             )
         for opt, state in zip(self.optimizers, states, strict=True):
@@ -68,7 +70,7 @@ class OptimizerChain(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if hasattr(self, "optimizers"):
-            raise TypeError("add parameter groups to one of the chained optimizers instead")
+            raise InputError("add parameter groups to one of the chained optimizers instead")
         super().add_param_group(param_group)
 
 

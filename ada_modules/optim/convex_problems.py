@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ada_modules.errors import InputError
+
 __all__ = [
     "SpectralQuadratic",
     "log_spaced_iterations",
@@ -101,7 +103,7 @@ def spectral_quadratic(
         ValueError: If ``dim < 2``.
     """
     if dim < 2:
-        raise ValueError(f"dim must be at least 2, got {dim}")
+        raise InputError(f"dim must be at least 2, got {dim}")
     gen = torch.Generator().manual_seed(seed)
     index = torch.arange(1, dim + 1, dtype=dtype)
     eigenvalues = index.pow(-2)
@@ -129,7 +131,7 @@ def log_spaced_iterations(last: int, num: int = 40, first: int = 1) -> list[int]
         [1, 10, 100, 1000]
     """
     if not 1 <= first <= last:
-        raise ValueError(f"need 1 <= first <= last, got first={first}, last={last}")
+        raise InputError(f"need 1 <= first <= last, got first={first}, last={last}")
     if num < 2 or first == last:
         return [last]
     ratio = math.log(last / first) / (num - 1)
@@ -151,7 +153,7 @@ def loglog_slope(iterations: Sequence[int], gaps: Sequence[float], first: int, l
         if first <= k <= last and math.isfinite(g) and g > 0
     ]
     if len(points) < 2:
-        raise ValueError(f"need at least two positive gaps in [{first}, {last}] to fit a slope")
+        raise InputError(f"need at least two positive gaps in [{first}, {last}] to fit a slope")
     mean_x = sum(p[0] for p in points) / len(points)
     mean_y = sum(p[1] for p in points) / len(points)
     sxx = sum((p[0] - mean_x) ** 2 for p in points)

@@ -58,6 +58,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ada_modules.errors import InputError
 from ada_modules.optim.newton_schulz import newton_schulz
 
 __all__ = [
@@ -119,7 +120,7 @@ class Norm(ABC):
             TypeError: If ``param`` is not a real floating tensor (complex, integer).
         """
         if param.is_complex() or not param.is_floating_point():
-            raise TypeError(
+            raise InputError(
                 f"norm {self.name!r} needs a real floating tensor, got dtype {param.dtype}"
             )
         too_big = self.max_ndim is not None and param.ndim > self.max_ndim
@@ -129,7 +130,7 @@ class Norm(ABC):
                 if self.min_ndim == self.max_ndim
                 else f">= {self.min_ndim}"
             )
-            raise ValueError(
+            raise InputError(
                 f"norm {self.name!r} needs a tensor with {wanted} dimensions, got shape "
                 f"{tuple(param.shape)}{self.hint}"
             )
@@ -372,7 +373,7 @@ class Spectral(Norm):
 
     def __init__(self, steps: int = 5, eps: float = 1e-7, dtype: torch.dtype | None = None) -> None:
         if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+            raise InputError(f"steps must be an integer >= 1, got {steps!r}")
         self.steps = steps
         self.eps = eps
         self.dtype = dtype
@@ -441,7 +442,7 @@ def get_norm(name: str, **kwargs: Any) -> Norm:
         ColNorm(normalized=False, transpose=True)
     """
     if name not in _NORMS:
-        raise ValueError(f"unknown norm {name!r}; allowed: {', '.join(NORM_NAMES)}")
+        raise InputError(f"unknown norm {name!r}; allowed: {', '.join(NORM_NAMES)}")
     return _NORMS[name](**kwargs)
 
 

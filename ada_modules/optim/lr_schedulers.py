@@ -5,6 +5,8 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from ada_modules.errors import InputError
+
 __all__ = ["WarmupCosineLR"]
 
 
@@ -44,13 +46,13 @@ class WarmupCosineLR(LRScheduler):
         last_epoch: int = -1,
     ) -> None:
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+            raise InputError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if not isinstance(total_steps, int) or total_steps <= warmup_steps:
-            raise ValueError(
+            raise InputError(
                 f"total_steps must be an integer > warmup_steps={warmup_steps}, got {total_steps!r}"
             )
         if not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
+            raise InputError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps
         self.min_lr_ratio = min_lr_ratio

@@ -19,6 +19,8 @@ below ~100; at condition number 1000 the smallest ones need about 8 steps.
 import torch
 from torch import Tensor
 
+from ada_modules.errors import InputError
+
 __all__ = ["NS_COEFFICIENTS", "newton_schulz"]
 
 NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
@@ -64,19 +66,19 @@ def newton_schulz(
         True
     """
     if g.ndim < 2:
-        raise ValueError(
+        raise InputError(
             f"newton_schulz needs a tensor with >= 2 dimensions, got shape {tuple(g.shape)}"
         )
     if not g.is_floating_point():
-        raise TypeError(f"newton_schulz needs a real floating tensor, got dtype {g.dtype}")
+        raise InputError(f"newton_schulz needs a real floating tensor, got dtype {g.dtype}")
     if dtype is None:
         dtype = torch.promote_types(g.dtype, torch.float32)
     if not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+        raise InputError(f"dtype must be a floating dtype, got {dtype}")
     if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+        raise InputError(f"steps must be an integer >= 0, got {steps!r}")
     if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
+        raise InputError(f"eps must be > 0, got {eps!r}")
     a, b, c = NS_COEFFICIENTS
     x = g.to(dtype)
     tall = g.shape[-2] > g.shape[-1]

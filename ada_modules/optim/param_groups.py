@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from ada_modules.errors import InputError
 from ada_modules.optim.lmo import NORM_NAMES, Norm
 
 __all__ = [
@@ -100,13 +101,13 @@ def geometry_param_groups(
     """
     for key in ("params", "norm", "norm_kwargs", "param_names", "role"):
         if key in overrides:
-            raise ValueError(f"overrides must not set {key!r}; it is decided per role")
+            raise InputError(f"overrides must not set {key!r}; it is decided per role")
     role_norms: dict[Role, str | Norm] = dict(DEFAULT_ROLE_NORMS)
     role_kwargs: dict[Role, dict[str, Any] | None] = dict(DEFAULT_ROLE_NORM_KWARGS)
     for role, norm in (norms or {}).items():
         _check_role(role)
         if not isinstance(norm, Norm) and norm not in NORM_NAMES:
-            raise ValueError(f"unknown norm {norm!r} for role {role!r}; allowed: {NORM_NAMES}")
+            raise InputError(f"unknown norm {norm!r} for role {role!r}; allowed: {NORM_NAMES}")
         role_norms[role] = norm
         role_kwargs[role] = None
     check_radii(radii)
@@ -212,14 +213,14 @@ def check_radii(radii: Mapping[str, float] | None) -> None:
     """
     for role, radius in (radii or {}).items():
         if role not in ROLES:
-            raise ValueError(f"unknown role {role!r} in radii; allowed: {', '.join(ROLES)}")
+            raise InputError(f"unknown role {role!r} in radii; allowed: {', '.join(ROLES)}")
         if isinstance(radius, bool) or not isinstance(radius, int | float) or radius <= 0:
-            raise ValueError(f"radii[{role!r}] must be a positive number, got {radius!r}")
+            raise InputError(f"radii[{role!r}] must be a positive number, got {radius!r}")
 
 
 def _check_role(role: str) -> None:
     if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
+        raise InputError(f"unknown role {role!r}; allowed: {', '.join(ROLES)}")
 
 
 def _find_head(
@@ -227,7 +228,7 @@ def _find_head(
 ) -> nn.Module:
     if head is not None:
         if head not in modules:
-            raise ValueError(f"head={head!r} names no module of the model")
+            raise InputError(f"head={head!r} names no module of the model")
         return modules[head]
     named = [
         m

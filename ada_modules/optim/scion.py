@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ada_modules.errors import InputError
 from ada_modules.optim.lmo import NORM_NAMES, Norm, auto_norm, get_norm
 
 __all__ = ["Scion"]
@@ -107,30 +108,30 @@ class Scion(Optimizer):
     def _validate_options(group: dict[str, Any]) -> None:
         unconstrained = group["unconstrained"]
         if not isinstance(unconstrained, bool):
-            raise TypeError(f"unconstrained must be a bool, got {unconstrained!r}")
+            raise InputError(f"unconstrained must be a bool, got {unconstrained!r}")
         lr = group["lr"]
         high = "" if unconstrained else " and <= 1 for the constrained update"
         if not isinstance(lr, int | float) or not (0 < lr and (unconstrained or lr <= 1)):
-            raise ValueError(f"lr must be > 0{high}, got {lr!r}")
+            raise InputError(f"lr must be > 0{high}, got {lr!r}")
         momentum = group["momentum"]
         if not isinstance(momentum, int | float) or not 0 < momentum <= 1:
-            raise ValueError(
+            raise InputError(
                 f"momentum must be in (0, 1] (the weight of the new gradient, one minus the usual "
                 f"beta), got {momentum!r}"
             )
         radius = group["radius"]
         if not isinstance(radius, int | float) or not radius > 0:
-            raise ValueError(f"radius must be > 0, got {radius!r}")
+            raise InputError(f"radius must be > 0, got {radius!r}")
         norm = group["norm"]
         if norm is not None and not isinstance(norm, str | Norm):
-            raise TypeError(f"norm must be a name, a Norm or None, got {norm!r}")
+            raise InputError(f"norm must be a name, a Norm or None, got {norm!r}")
         if isinstance(norm, str) and norm not in NORM_NAMES:
-            raise ValueError(f"unknown norm {norm!r}; allowed: {', '.join(NORM_NAMES)}")
+            raise InputError(f"unknown norm {norm!r}; allowed: {', '.join(NORM_NAMES)}")
         norm_kwargs = group["norm_kwargs"]
         if norm_kwargs is not None and not isinstance(norm_kwargs, dict):
-            raise TypeError(f"norm_kwargs must be a dict or None, got {norm_kwargs!r}")
+            raise InputError(f"norm_kwargs must be a dict or None, got {norm_kwargs!r}")
         if norm_kwargs and not isinstance(norm, str):
-            raise ValueError(f"norm_kwargs {norm_kwargs!r} needs a norm name, got norm={norm!r}")
+            raise InputError(f"norm_kwargs {norm_kwargs!r} needs a norm name, got norm={norm!r}")
 
     @staticmethod
     def _norm_for(group: dict[str, Any], param: Tensor) -> Norm:

@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ada_modules.errors import InputError
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "RolloutStats",
@@ -39,35 +41,35 @@ _SCHEDULES = ("balance", "linear", "entropy", "constant")
 
 def _check_rewards(rewards: Tensor) -> None:
     if not isinstance(rewards, Tensor):
-        raise TypeError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
+        raise InputError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
     if rewards.ndim != 2:
-        raise ValueError(
+        raise InputError(
             f"rewards must have shape (num_prompts, group_size), got {tuple(rewards.shape)}"
         )
     if rewards.shape[1] < 2:
-        raise ValueError(
+        raise InputError(
             f"group_size must be >= 2 (a group-relative advantage of one response is "
             f"undefined), got rewards of shape {tuple(rewards.shape)}"
         )
     if not rewards.is_floating_point():
-        raise TypeError(f"rewards must be a floating-point tensor, got {rewards.dtype}")
+        raise InputError(f"rewards must be a floating-point tensor, got {rewards.dtype}")
     bad = ~torch.isfinite(rewards)
     if bad.any():
         prompt = int(bad.any(dim=1).nonzero()[0, 0])
-        raise ValueError(
+        raise InputError(
             f"rewards of prompt index {prompt} are not finite: {rewards[prompt].tolist()}"
         )
 
 
 def _check_like(name: str, value: Tensor, rewards: Tensor) -> None:
     if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        raise InputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.shape != rewards.shape:
-        raise ValueError(
+        raise InputError(
             f"{name} must have the shape of rewards {tuple(rewards.shape)}, got {tuple(value.shape)}"
         )
     if not torch.isfinite(value).all():
-        raise ValueError(f"{name} contains non-finite values")
+        raise InputError(f"{name} contains non-finite values")
 
 
 def grpo_advantages(
@@ -96,7 +98,7 @@ def grpo_advantages(
     """
     _check_rewards(rewards)
     if scale not in ("group", "batch", "none"):
-        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+        raise InputError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     if scale == "none":
         return centred
@@ -131,7 +133,7 @@ def relative_surprisal(surprisal: Tensor, eps: float = 1e-6) -> Tensor:
         tensor([[-1.0000,  0.0000,  1.0000]])
     """
     if surprisal.ndim != 2 or surprisal.shape[1] < 2:
-        raise ValueError(
+        raise InputError(
             f"surprisal must have shape (num_prompts, group_size >= 2), got {tuple(surprisal.shape)}"
         )
     centred = surprisal - surprisal.mean(dim=1, keepdim=True)
@@ -194,20 +196,20 @@ def aem_strength(
         tensor([ 0.2500, -0.2500])
     """
     if schedule not in _SCHEDULES:
-        raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
+        raise InputError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
     if not math.isfinite(strength):
-        raise ValueError(f"strength must be finite, got {strength!r}")
+        raise InputError(f"strength must be finite, got {strength!r}")
     num_prompts = rewards.shape[0]
     full = torch.full((num_prompts,), float(strength), dtype=rewards.dtype, device=rewards.device)
     if schedule == "constant":
         return full
     if schedule == "linear":
         if not 0.0 <= progress <= 1.0:
-            raise ValueError(f"progress must be in [0, 1], got {progress!r}")
+            raise InputError(f"progress must be in [0, 1], got {progress!r}")
         return full * (1.0 - 2.0 * progress)
     if schedule == "entropy":
         if entropy is None or target_entropy is None or target_entropy <= 0:
-            raise ValueError(
+            raise InputError(
                 "schedule='entropy' needs entropy and a positive target_entropy, got "
                 f"entropy={entropy!r}, target_entropy={target_entropy!r}"
             )
@@ -270,7 +272,7 @@ def aem_advantages(
     _check_rewards(rewards)
     _check_like("surprisal", surprisal, rewards)
     if not 0.0 <= strength <= 1.0:
-        raise ValueError(f"strength must be in [0, 1], got {strength!r}")
+        raise InputError(f"strength must be in [0, 1], got {strength!r}")
     advantages = grpo_advantages(rewards, scale=scale)
     if strength == 0.0:
         return advantages
@@ -318,15 +320,15 @@ def clip_cov_mask(
         (True, 1)
     """
     if advantages.shape != logprobs.shape or advantages.shape != mask.shape:
-        raise ValueError(
+        raise InputError(
             "advantages, logprobs and mask must have the same shape, got "
             f"{tuple(advantages.shape)}, {tuple(logprobs.shape)}, {tuple(mask.shape)}"
         )
     if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be in [0, 1], got {ratio!r}")
+        raise InputError(f"ratio must be in [0, 1], got {ratio!r}")
     low, high = bounds
     if not low <= high:
-        raise ValueError(f"bounds must be (low, high) with low <= high, got {bounds!r}")
+        raise InputError(f"bounds must be (low, high) with low <= high, got {bounds!r}")
     valid = mask.bool()
     keep = valid.clone()
     count = int(valid.sum())
@@ -381,7 +383,7 @@ def register_advantage(name: str) -> Callable[[AdvantageEstimator], AdvantageEst
 
     def decorate(fn: AdvantageEstimator) -> AdvantageEstimator:
         if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"an advantage estimator named {name!r} is already registered")
+            raise InputError(f"an advantage estimator named {name!r} is already registered")
         ADVANTAGE_ESTIMATORS[name] = fn
         return fn
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ada_modules.errors import InputError
 from ada_modules.strategies.adera_sim import Baselines, HardwareProfile, Trace, simulate
 from ada_modules.strategies.adera_trace import trace_from_records
 
@@ -75,10 +76,10 @@ def calibration_error(
     """
     profile = profile or trace.profile
     if profile is None:
-        raise ValueError("calibration_error needs a profile: pass one or record it in the trace")
+        raise InputError("calibration_error needs a profile: pass one or record it in the trace")
     missing = {"raw", "adera"} - set(trace.measured_step_s)
     if missing:
-        raise ValueError(f"trace.measured_step_s lacks {sorted(missing)}")
+        raise InputError(f"trace.measured_step_s lacks {sorted(missing)}")
     predicted = {
         m: simulate(trace, trace.world_size, profile, "ring", m, mode, baselines).step_s
         for m in ("raw", "adera")
@@ -128,13 +129,13 @@ def measure_gloo_gathers(
         RuntimeError: If a process fails.
     """
     if dtype not in ("bf16", "fp32"):
-        raise ValueError(f"dtype must be 'bf16' or 'fp32', got {dtype!r}")
+        raise InputError(f"dtype must be 'bf16' or 'fp32', got {dtype!r}")
     if len(set(shard_numels)) < 2 or min(shard_numels) < 1:
-        raise ValueError(f"shard_numels needs two or more positive sizes, got {shard_numels!r}")
+        raise InputError(f"shard_numels needs two or more positive sizes, got {shard_numels!r}")
     if not 0 <= change_rate <= 0.5:
-        raise ValueError(f"change_rate must be in [0, 0.5], got {change_rate!r}")
+        raise InputError(f"change_rate must be in [0, 0.5], got {change_rate!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+        raise InputError(f"repeats must be a positive int, got {repeats!r}")
     config = (dtype, [int(n) for n in shard_numels], change_rate, repeats)
     records = run_gloo_ranks(_gather_worker, config)[0]
     # One "step" per gather, ending when the gather returns: no compute, no rest.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ada_modules.errors import InputError
 from ada_modules.kernels import exponent_codec as codec
 from ada_modules.kernels._dispatch import Impl
 
@@ -24,7 +25,7 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 def _check_positive(value: float, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+        raise InputError(f"{name} must be a positive number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class CostModel:
         for name in ("latency_s", "bandwidth_Bps", "encode_Bps", "decode_Bps", "codec_latency_s"):
             _check_positive(getattr(self, name), name)
         if isinstance(self.margin, bool) or not 0 <= self.margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
+            raise InputError(f"margin must be in [0, 1), got {self.margin!r}")
 
     def raw_time(self, shard_nbytes: int, world_size: int) -> float:
         """Seconds of the default ring all-gather of ``shard_nbytes`` per rank."""

@@ -81,6 +81,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ada_modules.errors import InputError
+
 __all__ = [
     "MEASURED_CHANGE_RATES",
     "METHODS",
@@ -167,13 +169,13 @@ class GatherEvent:
 
     def __post_init__(self) -> None:
         if isinstance(self.numel, bool) or not isinstance(self.numel, int) or self.numel < 1:
-            raise ValueError(f"numel must be a positive integer, got {self.numel!r}")
+            raise InputError(f"numel must be a positive integer, got {self.numel!r}")
         if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+            raise InputError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if not 0.0 <= self.change_rate <= 1.0:
-            raise ValueError(f"change_rate must be in [0, 1], got {self.change_rate!r}")
+            raise InputError(f"change_rate must be in [0, 1], got {self.change_rate!r}")
         if self.phase not in ("forward", "backward"):
-            raise ValueError(f"phase must be 'forward' or 'backward', got {self.phase!r}")
+            raise InputError(f"phase must be 'forward' or 'backward', got {self.phase!r}")
         for name in (
             "compute_s",
             "flops",
@@ -184,9 +186,9 @@ class GatherEvent:
         ):
             value = getattr(self, name)
             if value is not None and not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+                raise InputError(f"{name} must be >= 0, got {value!r}")
         if self.reduce_scatter_numel < 0:
-            raise ValueError(
+            raise InputError(
                 f"reduce_scatter_numel must be >= 0, got {self.reduce_scatter_numel!r}"
             )
 
@@ -222,20 +224,20 @@ class Trace:
 
     def __post_init__(self) -> None:
         if not self.events:
-            raise ValueError("events must not be empty")
+            raise InputError("events must not be empty")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
-            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+            raise InputError(f"world_size must be an integer >= 1, got {self.world_size!r}")
         if self.world_size < 1:
-            raise ValueError(f"world_size must be an integer >= 1, got {self.world_size!r}")
+            raise InputError(f"world_size must be an integer >= 1, got {self.world_size!r}")
         if self.reduce_dtype not in DTYPE_BYTES:
-            raise ValueError(
+            raise InputError(
                 f"reduce_dtype must be one of {sorted(DTYPE_BYTES)}, got {self.reduce_dtype!r}"
             )
         if not self.other_s >= 0:
-            raise ValueError(f"other_s must be >= 0, got {self.other_s!r}")
+            raise InputError(f"other_s must be >= 0, got {self.other_s!r}")
         unknown = set(self.measured_step_s) - set(METHODS)
         if unknown:
-            raise ValueError(f"measured_step_s keys must be among {METHODS}, got {sorted(unknown)}")
+            raise InputError(f"measured_step_s keys must be among {METHODS}, got {sorted(unknown)}")
 
     @property
     def steps(self) -> list[int]:
@@ -246,7 +248,7 @@ class Trace:
         """The events of ``step`` in gather order."""
         events = sorted((e for e in self.events if e.step == step), key=lambda e: e.order)
         if not events:
-            raise ValueError(f"step {step} is not in the trace (steps: {self.steps})")
+            raise InputError(f"step {step} is not in the trace (steps: {self.steps})")
         return events
 
     def to_dict(self) -> dict[str, Any]:
@@ -371,7 +373,7 @@ class HardwareProfile:
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node must be an integer >= 1, got {self.gpus_per_node!r}")
+            raise InputError(f"gpus_per_node must be an integer >= 1, got {self.gpus_per_node!r}")
         for name in (
             "intra_bandwidth",
             "inter_bandwidth",
@@ -382,7 +384,7 @@ class HardwareProfile:
             "mfu",
         ):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+                raise InputError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in (
             "intra_latency",
             "inter_latency",
@@ -391,15 +393,15 @@ class HardwareProfile:
             "codec_same_factor",
         ):
             if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+                raise InputError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.flops is not None and not self.flops > 0:
-            raise ValueError(f"flops must be None or > 0, got {self.flops!r}")
+            raise InputError(f"flops must be None or > 0, got {self.flops!r}")
 
     @classmethod
     def preset(cls, name: str) -> HardwareProfile:
         """The named preset of :data:`PROFILES`."""
         if name not in PROFILES:
-            raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {name!r}")
+            raise InputError(f"profile must be one of {sorted(PROFILES)}, got {name!r}")
         return PROFILES[name]
 
     @classmethod
@@ -475,11 +477,11 @@ class HardwareProfile:
         """
         world = trace.world_size
         if world < 2:
-            raise ValueError(f"fit_trace needs a trace of >= 2 ranks, got {world}")
+            raise InputError(f"fit_trace needs a trace of >= 2 ranks, got {world}")
         timed = [e for e in trace.events if e.gather_s is not None]
         shard_bytes = [-(-e.numel // world) * DTYPE_BYTES[e.dtype] for e in timed]
         if len(set(shard_bytes)) < 2:
-            raise ValueError("fit_trace needs gather_s measured at two or more gather sizes")
+            raise InputError("fit_trace needs gather_s measured at two or more gather sizes")
         latency, bandwidth = _fit_alpha_beta(
             [float(b) for b in shard_bytes], [e.gather_s / (world - 1) for e in timed]
         )
@@ -500,7 +502,7 @@ class HardwareProfile:
             rows.append((nbytes * changed, nbytes * (1 - changed)))
             codec.append(codec_s)
         if len({r[0] + r[1] for r in rows}) < 2:
-            raise ValueError("fit_trace needs codec_s or adera_gather_s at two or more sizes")
+            raise InputError("fit_trace needs codec_s or adera_gather_s at two or more sizes")
         with_changes = [r for r in rows if r[0] > 0]
         without = [r for r in rows if r[1] > 0]
         if with_changes and without:
@@ -622,16 +624,16 @@ class Baselines:
     def __post_init__(self) -> None:
         for name in ("entropy_ratio_bf16", "entropy_ratio_fp32"):
             if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
+                raise InputError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         for name in ("entropy_throughput", "entropy_cpu_throughput"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+                raise InputError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.int8_block < 1 or self.int8_scale_bytes < 0:
-            raise ValueError("int8_block must be >= 1 and int8_scale_bytes >= 0")
+            raise InputError("int8_block must be >= 1 and int8_scale_bytes >= 0")
         if not self.capacity_slack >= 1:
-            raise ValueError(f"capacity_slack must be >= 1, got {self.capacity_slack!r}")
+            raise InputError(f"capacity_slack must be >= 1, got {self.capacity_slack!r}")
         if not 0 <= self.margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {self.margin!r}")
+            raise InputError(f"margin must be in [0, 1), got {self.margin!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -659,9 +661,9 @@ def all_gather_time(
         33.0
     """
     if topology not in TOPOLOGIES:
-        raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+        raise InputError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+        raise InputError(f"world_size must be >= 1, got {world_size!r}")
     intra_beta = profile.intra_bandwidth * profile.intra_efficiency
     inter_beta = profile.inter_bandwidth * profile.inter_efficiency
     g = profile.gpus_per_node
@@ -670,7 +672,7 @@ def all_gather_time(
     if topology == "ring":
         return (world_size - 1) * (profile.inter_latency + shard_bytes / inter_beta)
     if world_size % g:
-        raise ValueError(
+        raise InputError(
             f"hierarchical all-gather needs world_size={world_size} to be a multiple of "
             f"gpus_per_node={g}"
         )
@@ -728,7 +730,7 @@ def adera_payload_bytes(
         16424.0
     """
     if dtype not in PLANE_BYTES:
-        raise ValueError(f"dtype must be one of {sorted(PLANE_BYTES)}, got {dtype!r}")
+        raise InputError(f"dtype must be one of {sorted(PLANE_BYTES)}, got {dtype!r}")
     fixed = HEADER_BYTES + COUNT_BYTES * -(-numel // CHUNK) + PLANE_BYTES[dtype] * numel
     stream = min(capacity_slack * _expected_stream_bytes(numel, change_rate), float(numel))
     return float(fixed) + stream
@@ -784,9 +786,9 @@ def gather_cost(
         (True, 0.575)
     """
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise InputError(f"method must be one of {METHODS}, got {method!r}")
     if mode not in ("auto", "always"):
-        raise ValueError(f"mode must be 'auto' or 'always', got {mode!r}")
+        raise InputError(f"mode must be 'auto' or 'always', got {mode!r}")
     b = baselines or Baselines()
     shard = -(-event.numel // world_size)
     raw_bytes = float(shard * DTYPE_BYTES[event.dtype])
@@ -887,7 +889,7 @@ def simulate_step(
     """
     ordered = sorted(events, key=lambda e: e.order)
     if not ordered:
-        raise ValueError("events must not be empty")
+        raise InputError("events must not be empty")
     costs = [
         gather_cost(e, world_size, profile, topology, method, mode, baselines) for e in ordered
     ]
@@ -1121,7 +1123,7 @@ def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) ->
         pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
         a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
         if a[col][col] == 0:
-            raise ValueError("the least-squares problem is singular")
+            raise InputError("the least-squares problem is singular")
         for i in range(col + 1, k):
             factor = a[i][col] / a[col][col]
             a[i] = [x - factor * y for x, y in zip(a[i], a[col], strict=True)]
@@ -1213,12 +1215,12 @@ def synthetic_moe_trace(
         ("tokens_per_gpu", tokens_per_gpu),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
     if top_k > num_experts:
-        raise ValueError(f"top_k={top_k} must not exceed num_experts={num_experts}")
+        raise InputError(f"top_k={top_k} must not exceed num_experts={num_experts}")
     curve = dict(MEASURED_CHANGE_RATES if change_rates is None else change_rates)
     if not curve:
-        raise ValueError("change_rates must not be empty")
+        raise InputError("change_rates must not be empty")
     expert_numel = num_experts * expert_matrices * d_model * d_ff
     block_numel = 4 * d_model * d_model + d_model * num_experts + 4 * d_model
     root_numel = 2 * vocab_size * d_model

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ada_modules.errors import InputError
+
 if TYPE_CHECKING:
     from ada_modules.strategies.adera_sim import Trace
 
@@ -137,10 +139,10 @@ def trace_from_records(
             }
         )
     if not per_step:
-        raise ValueError("no training step was recorded")
+        raise InputError("no training step was recorded")
     methods = [method] * len(per_step) if isinstance(method, str) else list(method)
     if len(methods) != len(per_step) or not set(methods) <= {"raw", "adera"}:
-        raise ValueError(
+        raise InputError(
             f"method must be 'raw', 'adera' or one of them per step ({len(per_step)}), "
             f"got {method!r}"
         )

@@ -3,6 +3,7 @@
 import random
 
 from ada_modules.data.arithmetic import addition_scratchpad
+from ada_modules.errors import InputError
 from ada_modules.posttrain.envs.base import Episode, TextEnv
 
 __all__ = ["ArithmeticEnv"]
@@ -64,13 +65,13 @@ class ArithmeticEnv(TextEnv):
     ) -> None:
         super().__init__(max_turns=1, max_action_tokens=max_action_tokens)
         if isinstance(min_digits, bool) or not isinstance(min_digits, int) or min_digits < 1:
-            raise ValueError(f"min_digits must be an integer >= 1, got {min_digits!r}")
+            raise InputError(f"min_digits must be an integer >= 1, got {min_digits!r}")
         if not isinstance(max_digits, int) or not min_digits <= max_digits <= 8:
-            raise ValueError(
+            raise InputError(
                 f"max_digits must be an integer in [min_digits={min_digits}, 8], got {max_digits!r}"
             )
         if not 0.0 <= noise <= 1.0:
-            raise ValueError(f"noise must be in [0, 1], got {noise!r}")
+            raise InputError(f"noise must be in [0, 1], got {noise!r}")
         self.min_digits = min_digits
         self.max_digits = max_digits
         self.noise = noise

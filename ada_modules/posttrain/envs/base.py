@@ -4,6 +4,8 @@ import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from ada_modules.errors import InputError
+
 __all__ = ["Episode", "TextEnv", "Transcript"]
 
 
@@ -74,7 +76,7 @@ class TextEnv(ABC):
     def __init__(self, max_turns: int, max_action_tokens: int) -> None:
         for name, value in (("max_turns", max_turns), ("max_action_tokens", max_action_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise InputError(f"{name} must be an integer >= 1, got {value!r}")
         self.max_turns = max_turns
         self.max_action_tokens = max_action_tokens
 

@@ -3,6 +3,7 @@
 import random
 from collections import deque
 
+from ada_modules.errors import InputError
 from ada_modules.posttrain.envs.base import Episode, TextEnv
 
 __all__ = ["KeyDoorEnv"]
@@ -110,15 +111,15 @@ class KeyDoorEnv(TextEnv):
         noise: float = 0.3,
     ) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or not 3 <= size <= 9:
-            raise ValueError(f"size must be an integer in [3, 9], got {size!r}")
+            raise InputError(f"size must be an integer in [3, 9], got {size!r}")
         if not isinstance(num_walls, int) or not 0 <= num_walls <= size * size - 3 - size:
-            raise ValueError(
+            raise InputError(
                 f"num_walls must be an integer in [0, {size * size - 3 - size}], got {num_walls!r}"
             )
         if not isinstance(slack, int) or slack < 0:
-            raise ValueError(f"slack must be an integer >= 0, got {slack!r}")
+            raise InputError(f"slack must be an integer >= 0, got {slack!r}")
         if not 0.0 <= noise <= 1.0:
-            raise ValueError(f"noise must be in [0, 1], got {noise!r}")
+            raise InputError(f"noise must be in [0, 1], got {noise!r}")
         # Worst case: two shortest paths around the walls, each below the number of free cells.
         super().__init__(max_turns=2 * (size * size - num_walls) + slack, max_action_tokens=1)
         self.size = size
