@@ -29,7 +29,15 @@ thread; absolute times on a shared CPU mean little, the ratios in one run do. Ke
 per-channel offsets and a slow drift (``N(0,1) + 4·sin(channel) + 0.002·t``) so that per-channel
 ranges differ between blocks, as post-RoPE keys do.
 
-3. With ``--profiles SWEEP [SWEEP ...]`` instead: the AAD profiles and bit allocations of AdaKVQ
+3. **Memory table** (computed, not measured; instant): bytes per token and the ratio to FP16 of
+   the packed layout at ``--memory-tokens`` tokens (2048) for average code bits 2 / 2.5 / 3 / 4 ×
+   group sizes 32 / 64 / 128, without a residual window and with a full window of ``R = G`` and of
+   ``R = 128`` tokens, from :func:`ada_modules.kv.kv_memory` (which equals the bytes a
+   :class:`~ada_modules.kv.KIVICache` / :class:`~ada_modules.kv.AdaKVQCache` holds, tested in
+   ``tests/kv/test_memory.py``). ``--memory`` prints only this table; ``--scale-dtype float32``
+   costs 32-bit scales and zero points. This is the table of the "Memory" section of
+   ``docs/techniques/adakvq.md``.
+4. With ``--profiles SWEEP [SWEEP ...]`` instead: the AAD profiles and bit allocations of AdaKVQ
    sweeps (``cli_configs/adakvq/repro.yaml``, ``repro_arith.yaml``), which write each seed's
    profile to ``<sweep>/shared_fit/seed_<s>/aad/aad_profile.json``: per layer the normalised AAD
    and its fluctuation over positions (mean ± std over seeds) and the per-head range; per seed the
@@ -40,6 +48,7 @@ Run it::
 
     .venv/bin/python bench/adakvq.py            # T = 2000, ~40 s on 2 cores
     .venv/bin/python bench/adakvq.py --quick    # T = 500, ~10 s
+    .venv/bin/python bench/adakvq.py --memory   # only the memory table (docs), ~10 s of imports
     .venv/bin/python bench/adakvq.py --profiles sweeps/adakvq sweeps/adakvq_arith \\
         --out docs/techniques/img/adakvq
 
@@ -56,7 +65,7 @@ from typing import Any
 import torch
 
 from ada_modules.kernels.kv_quant import QuantizedKV, quantize_keys, quantize_values
-from ada_modules.kv import AADProfile, allocate_bits
+from ada_modules.kv import AADProfile, allocate_bits, kv_memory
 from ada_modules.kv.quantized_layer import QuantizedKVLayer
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -216,6 +225,51 @@ def plot_profiles(sweeps: list[Path], budget: float, group_size: int, out: Path)
     print(f"\nwrote {out / 'aad_layers.png'}")
 
 
+MEMORY_BITS = (2, 2.5, 3, 4)
+MEMORY_GROUPS = (32, 64, 128)
+
+
+def memory_table(tokens: int, scale_dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Print the memory table (code bits × G × window) at ``tokens`` tokens; return its rows."""
+    fp16 = kv_memory(2, seq_len=tokens).fp16_bytes_per_token
+    scale = str(scale_dtype).removeprefix("torch.")
+    print(f"\n## Memory at T = {tokens:,} tokens: bytes / token (ratio to FP16)\n")
+    print(
+        f"Llama-3.1-8B KV shapes (32 layers, 8 KV heads, head dim 128: FP16 = {fp16:,} bytes / "
+        f"token); keys and values at the same average code bits and group size G; {scale} scale "
+        "and zero point per group; residual window in fp16, counted full (R tokens).\n"
+    )
+    print(
+        "| code bits | G | stored bits / element (packed) | no window | window R = G | "
+        "window R = 128 |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    rows = []
+    for bits in MEMORY_BITS:
+        for group in MEMORY_GROUPS:
+            cells = []
+            row: dict[str, Any] = {"section": "memory", "bits": bits, "group": group}
+            for name, residual in (("none", 0), ("r_eq_g", group), ("r_128", 128)):
+                memory = kv_memory(
+                    bits,
+                    group_size=group,
+                    residual_length=residual,
+                    seq_len=tokens,
+                    scale_dtype=scale_dtype,
+                    residual_dtype=torch.float16,
+                )
+                cells.append(f"{memory.bytes_per_token:,.0f} ({memory.ratio:.4f})")
+                row[f"bytes_per_token_{name}"] = memory.bytes_per_token
+                row[f"ratio_{name}"] = memory.ratio
+                row["packed_bits_per_element"] = memory.packed_bits_per_element
+            print(
+                f"| {bits:g} | {group} | {row['packed_bits_per_element']:.3f} | "
+                f"{' | '.join(cells)} |"
+            )
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T = 500 tokens")
@@ -231,16 +285,27 @@ def main() -> None:
         help="instead: AAD/allocation tables and figure of these AdaKVQ sweep folders",
     )
     parser.add_argument("--budget", type=float, default=4.5, help="with --profiles: stored bits")
+    parser.add_argument("--memory", action="store_true", help="only the memory table (computed)")
+    parser.add_argument("--memory-tokens", type=int, default=2048, help="T of the memory table")
+    parser.add_argument(
+        "--scale-dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default="float16",
+        help="dtype of scales and zero points in the memory table",
+    )
     args = parser.parse_args()
     if args.profiles:
         plot_profiles(args.profiles, args.budget, 16, args.out)
+        return
+    memory_rows = memory_table(args.memory_tokens, getattr(torch, args.scale_dtype))
+    if args.memory:
         return
     torch.set_num_threads(1)
     tokens = args.tokens or (500 if args.quick else 2000)
     wall = time.perf_counter()
     keys, values = make_states(tokens, args.seed)
     fp16_per_token = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
-    results: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = list(memory_rows)
 
     print(f"\n## Bytes per token after T = {tokens} tokens (Llama-3.1-8B KV shapes, 32 layers)\n")
     print(f"G = {args.group}, R = {args.residual}; bytes = codes + fp16 scales/zeros + residual\n")

@@ -7,7 +7,8 @@
 - :class:`AdaKVQCache` (per-layer bit widths from an AAD profile, per-block dynamic widths),
 - :func:`average_attention_distance` and :class:`AADProfile` (how far each layer attends),
 - :func:`allocate_bits` and :class:`BitAllocation` (bit widths under an average-bit budget),
-- :func:`cache_nbytes` (exact bytes held by any cache, for memory metrics).
+- :func:`cache_nbytes` (exact bytes held by any cache, for memory metrics) and :func:`kv_memory`
+  (bytes per token and ratio to FP16 of the packed layout, for given bits, groups and window).
 """
 
 from ada_modules.kv.aad import (
@@ -32,7 +33,7 @@ from ada_modules.kv.bit_allocation import (
     solve_allocation,
 )
 from ada_modules.kv.kivi import KIVICache, per_layer_bits
-from ada_modules.kv.memory import cache_nbytes
+from ada_modules.kv.memory import KVMemory, cache_nbytes, kv_memory
 from ada_modules.kv.quantized_layer import (
     QUANTIZED_KV_ATTENTION,
     LazyDequantizedStates,
@@ -53,6 +54,7 @@ __all__ = [
     "AdaKVQLayer",
     "BitAllocation",
     "KIVICache",
+    "KVMemory",
     "LazyDequantizedStates",
     "QuantizedKVLayer",
     "allocate_bits",
@@ -60,6 +62,7 @@ __all__ = [
     "bits_per_element",
     "block_bits_per_element",
     "cache_nbytes",
+    "kv_memory",
     "per_layer_bits",
     "quantized_kv_attention",
     "solve_allocation",

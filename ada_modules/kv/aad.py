@@ -32,6 +32,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ada_modules.errors import InputError
+
 __all__ = ["NORMALIZATIONS", "AADAccumulator", "AADProfile", "average_attention_distance"]
 
 NORMALIZATIONS: tuple[str, ...] = ("none", "position", "max")
@@ -40,9 +42,9 @@ NORMALIZATIONS: tuple[str, ...] = ("none", "position", "max")
 
 def _check_options(normalize: str, sink_tokens: int) -> None:
     if normalize not in NORMALIZATIONS:
-        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+        raise InputError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
     if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-        raise ValueError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
+        raise InputError(f"sink_tokens must be an integer >= 0, got {sink_tokens!r}")
 
 
 def _real_positions(attention_mask: Tensor | None, batch: int, length: int, device: Any) -> Tensor:
@@ -50,7 +52,7 @@ def _real_positions(attention_mask: Tensor | None, batch: int, length: int, devi
     if attention_mask is None:
         return torch.arange(length, device=device).expand(batch, length)
     if attention_mask.shape != (batch, length):
-        raise ValueError(
+        raise InputError(
             f"attention_mask must have shape (batch, T) = {(batch, length)}, "
             f"got {tuple(attention_mask.shape)}"
         )
@@ -102,7 +104,7 @@ def average_attention_distance(
     """
     _check_options(normalize, sink_tokens)
     if attn.ndim != 4 or attn.shape[-1] != attn.shape[-2]:
-        raise ValueError(f"attn must have shape (batch, heads, T, T), got {tuple(attn.shape)}")
+        raise InputError(f"attn must have shape (batch, heads, T, T), got {tuple(attn.shape)}")
     batch, _, length, _ = attn.shape
     weights = attn.float()
     pos = _real_positions(attention_mask, batch, length, attn.device)  # (B, T)
@@ -235,28 +237,139 @@ class AADProfile:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "AADProfile":
-        """Inverse of :meth:`to_dict` (summaries are recomputed, not read)."""
+    def from_dict(cls, data: dict[str, Any], source: str | None = None) -> "AADProfile":
+        """Inverse of :meth:`to_dict`, validated field by field.
 
-        def tensor(values: Any) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32)
+        ``aad`` and ``naad`` must be ``(layers, heads, positions)`` nested lists of finite
+        numbers >= 0 or ``null`` (undefined), ``counts`` one integer >= 0 per position. The
+        summaries (``num_layers``, ``layer_mean``, ``layer_std``, ``layer_mean_tokens``,
+        ``layer_std_tokens``, ``head_mean``) are recomputed from the arrays, not read; when
+        present they must hold finite numbers (``null`` where the recomputed value is undefined)
+        that agree with the arrays, so that an edited summary is reported, not ignored.
 
-        def fill(values: Any) -> Any:
-            return (
-                [fill(v) for v in values]
-                if isinstance(values, list)
-                else (math.nan if values is None else values)
+        Args:
+            data: The dict of :meth:`to_dict` (e.g. parsed JSON).
+            source: Where ``data`` came from (a file path), named in every error.
+
+        Raises:
+            InputError: Naming ``source``, the field (with its index) and the value.
+        """
+        where = f"AAD profile {source}" if source else "AAD profile"
+
+        def fail(field_name: str, message: str) -> InputError:
+            return InputError(f"{where}: field {field_name!r} {message}")
+
+        if not isinstance(data, dict):
+            raise InputError(f"{where} must be a JSON object (dict), got {type(data).__name__}")
+        for name in ("aad", "naad", "counts", "normalize", "sink_tokens", "renormalize"):
+            if name not in data:
+                raise fail(name, "is missing")
+        aad = _read_positions(data["aad"], "aad", fail)
+        naad = _read_positions(data["naad"], "naad", fail)
+        if naad.shape != aad.shape:
+            raise fail(
+                "naad",
+                f"must have the shape of 'aad' {tuple(aad.shape)}, got {tuple(naad.shape)}",
             )
-
-        return cls(
-            aad=tensor(fill(data["aad"])),
-            naad=tensor(fill(data["naad"])),
-            counts=torch.tensor(data["counts"], dtype=torch.long),
-            normalize=data["normalize"],
-            sink_tokens=int(data["sink_tokens"]),
-            renormalize=bool(data["renormalize"]),
-            metadata=dict(data.get("metadata", {})),
+        counts = data["counts"]
+        if (
+            not isinstance(counts, list)
+            or len(counts) != aad.shape[-1]
+            or any(
+                isinstance(c, bool)
+                or not isinstance(c, int | float)
+                or not math.isfinite(c)
+                or c < 0
+                or c != int(c)
+                for c in counts
+            )
+        ):
+            raise fail(
+                "counts",
+                f"must be a list of {aad.shape[-1]} whole numbers >= 0 (one per position), got "
+                f"{_short(counts)}",
+            )
+        normalize = data["normalize"]
+        if normalize not in ("position", "max"):
+            raise fail("normalize", f"must be 'position' or 'max', got {normalize!r}")
+        sink_tokens = data["sink_tokens"]
+        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+            raise fail("sink_tokens", f"must be an integer >= 0, got {sink_tokens!r}")
+        renormalize = data["renormalize"]
+        if not isinstance(renormalize, bool):
+            raise fail("renormalize", f"must be true or false, got {renormalize!r}")
+        metadata = data.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise fail("metadata", f"must be an object (dict), got {_short(metadata)}")
+        profile = cls(
+            aad=aad,
+            naad=naad,
+            counts=torch.tensor([int(c) for c in counts], dtype=torch.long),
+            normalize=normalize,
+            sink_tokens=sink_tokens,
+            renormalize=renormalize,
+            metadata=dict(metadata),
         )
+        profile._check_summaries(data, fail)
+        return profile
+
+    def _check_summaries(self, data: dict[str, Any], fail: Any) -> None:
+        """Check the summary fields of ``data`` (when present) against the recomputed ones."""
+        if "num_layers" in data and (
+            isinstance(data["num_layers"], bool) or data["num_layers"] != self.num_layers
+        ):
+            raise fail(
+                "num_layers",
+                f"is {data['num_layers']!r} but 'aad' has {self.num_layers} layers",
+            )
+        expected = {
+            "layer_mean": self.layer_mean(),
+            "layer_std": self.layer_std(),
+            "layer_mean_tokens": self.layer_mean(normalized=False),
+            "layer_std_tokens": self.layer_std(normalized=False),
+            "head_mean": self.head_mean(),
+        }
+        for name, want in expected.items():
+            if name not in data:
+                continue
+            got = data[name]
+            flat_want = want.flatten().tolist()
+            rows = got if want.ndim == 1 else None
+            if want.ndim == 2 and isinstance(got, list) and len(got) == want.shape[0]:
+                if all(isinstance(r, list) and len(r) == want.shape[1] for r in got):
+                    rows = [v for r in got for v in r]
+            if not isinstance(rows, list) or len(rows) != len(flat_want):
+                raise fail(
+                    name,
+                    f"must be a list of shape {tuple(want.shape)} (as recomputed from 'aad'/"
+                    f"'naad'), got {_short(got)}",
+                )
+            for k, (value, target) in enumerate(zip(rows, flat_want, strict=True)):
+                index = (
+                    f"[{k}]" if want.ndim == 1 else f"[{k // want.shape[1]}][{k % want.shape[1]}]"
+                )
+                if value is None:
+                    if math.isnan(target):
+                        continue
+                    raise fail(
+                        f"{name}{index}",
+                        f"is null but the per-position arrays give {target:.6g}",
+                    )
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise fail(f"{name}{index}", f"must be a number or null, got {value!r}")
+                if not math.isfinite(value):
+                    raise fail(
+                        f"{name}{index}",
+                        f"must be a finite number (null where undefined), got {value!r}",
+                    )
+                if math.isnan(target) or not math.isclose(
+                    value, target, rel_tol=1e-4, abs_tol=1e-6
+                ):
+                    raise fail(
+                        f"{name}{index}",
+                        f"is {value!r} but the per-position arrays give {target:.6g}: the "
+                        "summaries are recomputed from 'aad'/'naad', edit those",
+                    )
 
     def to_json(self, path: str | Path) -> None:
         """Write :meth:`to_dict` as JSON (``NaN`` as ``null``)."""
@@ -264,8 +377,59 @@ class AADProfile:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "AADProfile":
-        """Read a profile written by :meth:`to_json`."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a profile written by :meth:`to_json`.
+
+        Raises:
+            FileNotFoundError: If ``path`` does not exist.
+            InputError: If the file is not JSON or a field is invalid (see :meth:`from_dict`),
+                naming the file and the field.
+        """
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise InputError(f"AAD profile {path} is not valid JSON: {error}") from error
+        return cls.from_dict(data, source=str(path))
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _read_positions(values: Any, name: str, fail: Any) -> Tensor:
+    """A ``(layers, heads, positions)`` float tensor from nested lists, ``null`` -> ``NaN``."""
+    shape: list[int | None] = [None, None, None]
+
+    def walk(node: Any, depth: int, index: str) -> Any:
+        if depth < 3:
+            if not isinstance(node, list) or not node:
+                raise fail(
+                    f"{name}{index}",
+                    f"must be a non-empty list (the array is (layers, heads, positions)), got "
+                    f"{_short(node)}",
+                )
+            if shape[depth] is None:
+                shape[depth] = len(node)
+            elif len(node) != shape[depth]:
+                raise fail(
+                    f"{name}{index}",
+                    f"has {len(node)} entries but the others at this level have {shape[depth]}",
+                )
+            return [walk(child, depth + 1, f"{index}[{i}]") for i, child in enumerate(node)]
+        if node is None:
+            return math.nan
+        if isinstance(node, bool) or not isinstance(node, int | float):
+            raise fail(f"{name}{index}", f"must be a number or null, got {_short(node)}")
+        if not math.isfinite(node) or node < 0:
+            raise fail(
+                f"{name}{index}",
+                f"must be a finite number >= 0 or null (undefined), got {node!r}",
+            )
+        return node
+
+    return torch.tensor(walk(values, 0, ""), dtype=torch.float32)
 
 
 class AADAccumulator:
@@ -295,7 +459,7 @@ class AADAccumulator:
     ) -> None:
         _check_options(normalize, sink_tokens)
         if normalize == "none":
-            raise ValueError("normalize must be 'position' or 'max' for a profile, got 'none'")
+            raise InputError("normalize must be 'position' or 'max' for a profile, got 'none'")
         self.normalize = normalize
         self.sink_tokens = sink_tokens
         self.renormalize = renormalize
@@ -313,7 +477,7 @@ class AADAccumulator:
             self.sums[name] = values.clone()
             return
         if current.shape[:2] != values.shape[:2]:
-            raise ValueError(
+            raise InputError(
                 f"attentions have (layers, heads) = {tuple(values.shape[:2])}, but earlier batches "
                 f"had {tuple(current.shape[:2])}"
             )
@@ -327,7 +491,7 @@ class AADAccumulator:
     def update(self, attentions: Sequence[Tensor], attention_mask: Tensor | None = None) -> None:
         """Add one batch: one ``(batch, heads, T, T)`` tensor per layer, and its mask."""
         if not attentions:
-            raise ValueError("attentions is empty: run the model with output_attentions=True")
+            raise InputError("attentions is empty: run the model with output_attentions=True")
         first = attentions[0]
         batch, length = first.shape[0], first.shape[-1]
         pos = _real_positions(attention_mask, batch, length, first.device)

@@ -74,6 +74,7 @@ Examples:
 import math
 import os
 from collections.abc import Sequence
+from numbers import Real
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,12 +82,13 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl
 from ada_modules.kernels.kv_quant import SUPPORTED_BITS, dequantize, packed_words
 from ada_modules.kv.aad import AADProfile
 from ada_modules.kv.bit_allocation import BitAllocation, allocate_bits
-from ada_modules.kv.kivi import KIVICache, per_layer_bits
-from ada_modules.kv.quantized_layer import QuantizedKVLayer, check_bits
+from ada_modules.kv.kivi import KIVICache, bits_argument, per_layer_bits
+from ada_modules.kv.quantized_layer import QuantizedKVLayer, check_bits, check_group_size
 
 __all__ = [
     "DEMAND_NORMALIZATIONS",
@@ -127,6 +129,50 @@ def block_bits_per_element(
     key = packed_words(head_dim, key_bits) * 32 / head_dim + meta / key_group_size
     value = packed_words(head_dim, value_bits) * 32 / head_dim + meta / value_group_size
     return (key + value) / 2
+
+
+def _check_dynamic_options(
+    dynamic_bits: Any,
+    demand: Any,
+    thresholds: Any,
+    threshold_mode: Any,
+    ema_decay: Any,
+    normalization: Any,
+) -> tuple[tuple[int, ...], tuple[float, float], float]:
+    """Validate the dynamic options; return the ladder, ``(low, high)`` and the decay."""
+    if isinstance(dynamic_bits, str | bytes) or not isinstance(dynamic_bits, Sequence):
+        raise InputError(
+            f"dynamic_bits must be a non-empty list of widths from {SUPPORTED_BITS}, got "
+            f"{dynamic_bits!r} ({type(dynamic_bits).__name__})"
+        )
+    if not dynamic_bits:
+        raise InputError(f"dynamic_bits must not be empty, got {dynamic_bits!r}")
+    for b in dynamic_bits:
+        check_bits("dynamic_bits", b)
+    ladder = tuple(sorted({int(b) for b in dynamic_bits}))
+    if demand not in DEMAND_SOURCES:
+        raise InputError(f"demand must be one of {DEMAND_SOURCES}, got {demand!r}")
+    if threshold_mode not in ("relative", "absolute"):
+        raise InputError(f"threshold_mode must be 'relative' or 'absolute', got {threshold_mode!r}")
+    if (
+        isinstance(thresholds, str | bytes)
+        or not isinstance(thresholds, Sequence)
+        or len(thresholds) != 2
+        or any(isinstance(t, bool) or not isinstance(t, Real) for t in thresholds)
+        or not all(math.isfinite(t) for t in thresholds)
+        or not 0 <= thresholds[0] <= thresholds[1]
+    ):
+        raise InputError(
+            f"thresholds must be (low, high), two finite numbers with 0 <= low <= high, got "
+            f"{thresholds!r}"
+        )
+    if isinstance(ema_decay, bool) or not isinstance(ema_decay, Real) or not 0 <= ema_decay < 1:
+        raise InputError(f"ema_decay must be a number in [0, 1), got {ema_decay!r}")
+    if normalization not in DEMAND_NORMALIZATIONS:
+        raise InputError(
+            f"normalization must be one of {DEMAND_NORMALIZATIONS}, got {normalization!r}"
+        )
+    return ladder, (float(thresholds[0]), float(thresholds[1])), float(ema_decay)
 
 
 def _step(width: int, ladder: Sequence[int], up: bool) -> int:
@@ -204,36 +250,17 @@ class AdaKVQLayer(QuantizedKVLayer):
         Raises:
             ValueError: If an argument is out of range, naming it.
         """
-        ladder = tuple(sorted(set(dynamic_bits)))
-        if not ladder:
-            raise ValueError(f"dynamic_bits must not be empty, got {list(dynamic_bits)!r}")
-        for b in ladder:
-            check_bits("dynamic_bits", b)
-        if demand not in DEMAND_SOURCES:
-            raise ValueError(f"demand must be one of {DEMAND_SOURCES}, got {demand!r}")
-        if threshold_mode not in ("relative", "absolute"):
-            raise ValueError(
-                f"threshold_mode must be 'relative' or 'absolute', got {threshold_mode!r}"
-            )
-        low, high = thresholds
-        if not (0 <= low <= high):
-            raise ValueError(
-                f"thresholds must be (low, high) with 0 <= low <= high, got {thresholds!r}"
-            )
-        if not 0 <= ema_decay < 1:
-            raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}")
-        if normalization not in DEMAND_NORMALIZATIONS:
-            raise ValueError(
-                f"normalization must be one of {DEMAND_NORMALIZATIONS}, got {normalization!r}"
-            )
+        ladder, (low, high), ema_decay = _check_dynamic_options(
+            dynamic_bits, demand, thresholds, threshold_mode, ema_decay, normalization
+        )
         self.normalization = normalization
         self.dynamic = True
         self.dynamic_bits = ladder
         self.demand = demand
         self.records_decode_lse = demand == "auto"
-        self.thresholds = (float(low), float(high))
+        self.thresholds = (low, high)
         self.threshold_mode = threshold_mode
-        self.ema_decay = float(ema_decay)
+        self.ema_decay = ema_decay
 
     # ------------------------------------------------------------------------------------------
     # Demand
@@ -466,19 +493,46 @@ class AdaKVQCache(KIVICache):
         normalization: Literal["uniform", "none"] = "uniform",
         impl: Impl = "auto",
     ) -> None:
+        if key_bits is not None:
+            key_bits = bits_argument("key_bits", key_bits)
+        if value_bits is not None:
+            value_bits = bits_argument("value_bits", value_bits)
+        for name, size in (
+            ("key_group_size", key_group_size),
+            ("value_group_size", value_group_size),
+        ):
+            if size is not None:
+                check_group_size(name, size)
+        if num_layers is not None and (
+            isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1
+        ):
+            raise InputError(f"num_layers must be a positive integer or None, got {num_layers!r}")
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, Real) or not math.isfinite(budget)
+        ):
+            raise InputError(
+                f"budget must be a finite number (mean stored bits per element), got {budget!r}"
+            )
+        if allocation_seed is not None and (
+            isinstance(allocation_seed, bool) or not isinstance(allocation_seed, int)
+        ):
+            raise InputError(f"allocation_seed must be an integer or None, got {allocation_seed!r}")
+        _check_dynamic_options(
+            dynamic_bits, demand, thresholds, threshold_mode, ema_decay, normalization
+        )
         if config is not None:
             layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
             model_layers = len(layer_types)
             if num_layers is not None and num_layers != model_layers:
-                raise ValueError(
+                raise InputError(
                     f"num_layers={num_layers} disagrees with the config's {model_layers} layers"
                 )
             num_layers = model_layers
         if profile is not None:
             if allocation is not None or key_bits is not None or value_bits is not None:
-                raise ValueError("give profile or allocation or key_bits/value_bits, not several")
+                raise InputError("give profile or allocation or key_bits/value_bits, not several")
             if budget is None:
-                raise ValueError("profile needs a budget (mean stored bits per element)")
+                raise InputError("profile needs a budget (mean stored bits per element)")
             allocation = _allocate_from_profile(
                 config,
                 profile,
@@ -490,7 +544,7 @@ class AdaKVQCache(KIVICache):
                 allocation_seed,
             )
         elif budget is not None:
-            raise ValueError(f"budget={budget} is only used with a profile")
+            raise InputError(f"budget={budget} is only used with a profile")
         alloc = _resolve_allocation(
             allocation, key_bits, value_bits, num_layers, key_group_size or 32
         )
@@ -500,7 +554,7 @@ class AdaKVQCache(KIVICache):
             ("value_group_size", value_group_size),
         ):
             if value is not None and value != alloc.group_size and allocation is not None:
-                raise ValueError(
+                raise InputError(
                     f"{name}={value} differs from the allocation's group_size={alloc.group_size}, "
                     "which its bit costs assume"
                 )
@@ -633,23 +687,23 @@ def _resolve_allocation(
 ) -> BitAllocation:
     if allocation is not None:
         if key_bits is not None or value_bits is not None:
-            raise ValueError("give either allocation or inline key_bits/value_bits, not both")
+            raise InputError("give either allocation or inline key_bits/value_bits, not both")
         if isinstance(allocation, BitAllocation):
             return allocation
         if isinstance(allocation, dict):
             return BitAllocation.from_dict(allocation)
         if isinstance(allocation, str | Path):
             return BitAllocation.from_json(allocation)
-        raise TypeError(
+        raise InputError(
             "allocation must be a BitAllocation, a dict or a JSON path, got "
             f"{type(allocation).__name__}"
         )
     if key_bits is None or value_bits is None:
-        raise ValueError("AdaKVQCache needs an allocation or both key_bits and value_bits")
+        raise InputError("AdaKVQCache needs an allocation or both key_bits and value_bits")
     if num_layers is None:
         lists = [b for b in (key_bits, value_bits) if not isinstance(b, int)]
         if not lists:
-            raise ValueError(
+            raise InputError(
                 "AdaKVQCache needs a config, num_layers, or per-layer lists of bits to know the "
                 "number of layers"
             )
@@ -665,12 +719,12 @@ def _resolve_allocation(
 def _pick_dynamic_layers(dynamic_layers: float | list[int], allocation: BitAllocation) -> list[int]:
     n = allocation.num_layers
     if isinstance(dynamic_layers, bool):
-        raise ValueError(
+        raise InputError(
             f"dynamic_layers must be a fraction or a list of layers, got {dynamic_layers!r}"
         )
     if isinstance(dynamic_layers, int | float):
         if not 0 <= dynamic_layers <= 1:
-            raise ValueError(
+            raise InputError(
                 f"dynamic_layers as a fraction must be in [0, 1], got {dynamic_layers!r}"
             )
         count = math.floor(dynamic_layers * n + 0.5)
@@ -682,5 +736,5 @@ def _pick_dynamic_layers(dynamic_layers: float | list[int], allocation: BitAlloc
     indices = sorted(set(dynamic_layers))
     for i in indices:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
-            raise ValueError(f"dynamic_layers must hold layer indices in [0, {n}), got {i!r}")
+            raise InputError(f"dynamic_layers must hold layer indices in [0, {n}), got {i!r}")
     return indices

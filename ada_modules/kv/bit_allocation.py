@@ -33,9 +33,11 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from numbers import Real
 from pathlib import Path
 from typing import Any, Literal
 
+from ada_modules.errors import InputError
 from ada_modules.kernels.kv_quant import packed_words
 from ada_modules.kv.aad import AADProfile
 
@@ -56,10 +58,25 @@ _MAX_COST_SCALE = 4096
 
 
 def _check_bits(bit_widths: Sequence[int], name: str = "bit_widths") -> None:
-    if not bit_widths or any(
-        isinstance(b, bool) or not isinstance(b, int) or b not in SUPPORTED_BITS for b in bit_widths
+    if (
+        isinstance(bit_widths, str | bytes)
+        or not isinstance(bit_widths, Sequence)
+        or not bit_widths
+        or any(
+            isinstance(b, bool) or not isinstance(b, int) or b not in SUPPORTED_BITS
+            for b in bit_widths
+        )
     ):
-        raise ValueError(f"{name} must be taken from {SUPPORTED_BITS}, got {list(bit_widths)!r}")
+        shown = list(bit_widths) if isinstance(bit_widths, list | tuple) else bit_widths
+        raise InputError(
+            f"{name} must be taken from {SUPPORTED_BITS} (a non-empty list of ints), got {shown!r}"
+        )
+
+
+def _check_real(name: str, value: Any, allowed: str, ok: bool = True) -> None:
+    """Raise naming ``name`` unless ``value`` is a finite real number (not a bool) and ``ok``."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) or not ok:
+        raise InputError(f"{name} must be {allowed}, got {value!r}")
 
 
 def bits_per_element(
@@ -103,19 +120,19 @@ def bits_per_element(
         ("fp_bits", fp_bits, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
     code_bits: float = bits
     if head_dim is not None:
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
-            raise ValueError(f"head_dim must be an integer >= 1, got {head_dim!r}")
+            raise InputError(f"head_dim must be an integer >= 1, got {head_dim!r}")
         code_bits = packed_words(head_dim, bits) * 32 / head_dim
     quantized = code_bits + metadata_bits / group_size
     if seq_len is None:
         return quantized
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < residual_length:
-        raise ValueError(f"seq_len must be an integer >= residual_length, got {seq_len!r}")
+        raise InputError(f"seq_len must be an integer >= residual_length, got {seq_len!r}")
     if seq_len == 0:
-        raise ValueError("seq_len must be positive, got 0")
+        raise InputError("seq_len must be positive, got 0")
     return ((seq_len - residual_length) * quantized + residual_length * fp_bits) / seq_len
 
 
@@ -125,7 +142,7 @@ def _integer_costs(costs: Sequence[float]) -> tuple[list[int], int]:
         scaled = [c * scale for c in costs]
         if all(abs(s - round(s)) < 1e-9 for s in scaled):
             return [round(s) for s in scaled], scale
-    raise ValueError(
+    raise InputError(
         f"costs {list(costs)!r} are not multiples of 1/{_MAX_COST_SCALE}: use method='greedy'"
     )
 
@@ -160,16 +177,16 @@ def solve_allocation(
     """
     num_options = len(costs)
     if not distortion or any(len(row) != num_options for row in distortion):
-        raise ValueError(
+        raise InputError(
             f"distortion must be a non-empty list of rows of {num_options} values (one per cost)"
         )
     if budget < min(costs) - 1e-12:
-        raise ValueError(f"budget={budget} is below the cheapest option's cost {min(costs)}")
+        raise InputError(f"budget={budget} is below the cheapest option's cost {min(costs)}")
     slots = len(distortion)
     capacity = budget * slots
     if method == "brute_force":
         if slots > 8:
-            raise ValueError(f"brute_force is for <= 8 slots, got {slots}")
+            raise InputError(f"brute_force is for <= 8 slots, got {slots}")
         best: tuple[float, float, tuple[int, ...]] | None = None
         for choice in itertools.product(range(num_options), repeat=slots):
             total_cost = sum(costs[k] for k in choice)
@@ -200,7 +217,7 @@ def solve_allocation(
             spent += costs[k] - costs[choice[i]]
             choice[i] = k
     if method != "dp":
-        raise ValueError(f"method must be 'dp', 'greedy' or 'brute_force', got {method!r}")
+        raise InputError(f"method must be 'dp', 'greedy' or 'brute_force', got {method!r}")
     units, scale = _integer_costs(costs)
     cap = math.floor(capacity * scale + 1e-9)
     # best[c] = (distortion, choices) over the slots so far with total cost units exactly c.
@@ -269,7 +286,7 @@ class BitAllocation:
         _check_bits(self.key_bits, "key_bits")
         _check_bits(self.value_bits, "value_bits")
         if len(self.key_bits) != len(self.value_bits):
-            raise ValueError(
+            raise InputError(
                 f"key_bits and value_bits must have one entry per layer, got "
                 f"{len(self.key_bits)} and {len(self.value_bits)}"
             )
@@ -285,7 +302,7 @@ class BitAllocation:
     ) -> "BitAllocation":
         """The same width for every layer's keys and values."""
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+            raise InputError(f"num_layers must be a positive integer, got {num_layers!r}")
         return cls([bits] * num_layers, [bits] * num_layers, group_size, metadata_bits)
 
     def average_bits(self) -> float:
@@ -306,7 +323,7 @@ class BitAllocation:
     def check_num_layers(self, num_layers: int) -> None:
         """Raise ``ValueError`` unless the allocation has ``num_layers`` layers (the model's)."""
         if num_layers != self.num_layers:
-            raise ValueError(
+            raise InputError(
                 f"the bit allocation has {self.num_layers} layers but the model has "
                 f"num_layers={num_layers}"
             )
@@ -338,10 +355,10 @@ def _layer_values(profile: AADProfile | Sequence[float], std_weight: float) -> l
         values = [m + std_weight * s for m, s in zip(mean, std, strict=True)]
     else:
         if std_weight:
-            raise ValueError("std_weight needs an AADProfile (per-layer values have no sigma_l)")
+            raise InputError("std_weight needs an AADProfile (per-layer values have no sigma_l)")
         values = [float(v) for v in profile]
     if not values or any(not math.isfinite(v) or v < 0 for v in values):
-        raise ValueError(f"per-layer AAD values must be finite and >= 0, got {values!r}")
+        raise InputError(f"per-layer AAD values must be finite and >= 0, got {values!r}")
     return values
 
 
@@ -407,15 +424,15 @@ def allocate_bits(
     """
     _check_bits(bit_widths)
     if method not in ALLOCATION_METHODS:
-        raise ValueError(f"method must be one of {ALLOCATION_METHODS}, got {method!r}")
+        raise InputError(f"method must be one of {ALLOCATION_METHODS}, got {method!r}")
+    _check_real("budget", budget, "a finite number (mean stored bits per element)")
     for name, value in (("key_weight", key_weight), ("value_weight", value_weight)):
-        if not value > 0:
-            raise ValueError(f"{name} must be positive, got {value!r}")
-    if not gamma >= 0 or not std_weight >= 0:
-        raise ValueError(f"gamma and std_weight must be >= 0, got {gamma!r} and {std_weight!r}")
+        _check_real(name, value, "a finite number > 0", isinstance(value, Real) and value > 0)
+    for name, value in (("gamma", gamma), ("std_weight", std_weight)):
+        _check_real(name, value, "a finite number >= 0", isinstance(value, Real) and value >= 0)
     values = _layer_values(profile, std_weight)
     if num_layers is not None and num_layers != len(values):
-        raise ValueError(
+        raise InputError(
             f"the AAD profile has {len(values)} layers but the model has num_layers={num_layers}"
         )
     widths = sorted(set(bit_widths))
@@ -424,7 +441,7 @@ def allocate_bits(
         for b in widths
     ]
     if budget < costs[0] - 1e-12:
-        raise ValueError(
+        raise InputError(
             f"budget={budget} is below the cheapest width: {widths[0]} bits cost {costs[0]} bits "
             f"per element with group_size={group_size}, metadata_bits={metadata_bits}"
         )

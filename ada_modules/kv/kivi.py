@@ -23,38 +23,63 @@ when its block leaves the residual window and never re-quantized; keys are group
 """
 
 from collections.abc import Sequence
+from numbers import Integral
 
 import torch
 from transformers import Cache, PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl
-from ada_modules.kv.quantized_layer import QuantizedKVLayer, check_bits
+from ada_modules.kernels.kv_quant import SUPPORTED_BITS
+from ada_modules.kv.quantized_layer import QuantizedKVLayer, check_bits, check_group_size
 
-__all__ = ["KIVICache", "per_layer_bits"]
+__all__ = ["KIVICache", "bits_argument", "per_layer_bits"]
+
+
+def bits_argument(name: str, bits: object) -> int | list[int]:
+    """Validate a bits argument: one width of (2, 3, 4, 8), or a non-empty list of such widths.
+
+    Raises:
+        InputError: Naming ``name``, for anything else (a ``float`` such as ``2.0``, a string, a
+            ``bool``, an empty list, an unsupported width).
+
+    Examples:
+        >>> bits_argument("key_bits", 2), bits_argument("key_bits", (2, 4))
+        (2, [2, 4])
+    """
+    allowed = f"one of {SUPPORTED_BITS} (an int) or a list with one such int per layer"
+    if isinstance(bits, bool | str | bytes) or not isinstance(bits, Integral | Sequence):
+        raise InputError(f"{name} must be {allowed}, got {bits!r} ({type(bits).__name__})")
+    if isinstance(bits, Integral):
+        check_bits(name, bits)
+        return int(bits)
+    if not bits:
+        raise InputError(f"{name} must be {allowed}, got an empty {type(bits).__name__}")
+    for i, b in enumerate(bits):
+        check_bits(f"{name}[{i}]", b)
+    return [int(b) for b in bits]
 
 
 def per_layer_bits(name: str, bits: int | Sequence[int], num_layers: int) -> list[int]:
     """Expand ``bits`` (one width for all layers, or one per layer) to a validated list.
 
     Raises:
-        ValueError: If a width is unsupported or the list length is not ``num_layers``.
+        InputError: If a width is unsupported or not an int, or the list length is not
+            ``num_layers``.
 
     Examples:
         >>> per_layer_bits("key_bits", 2, 3), per_layer_bits("key_bits", [2, 4], 2)
         ([2, 2, 2], [2, 4])
     """
-    if isinstance(bits, int) and not isinstance(bits, bool):
-        check_bits(name, bits)
+    bits = bits_argument(name, bits)
+    if isinstance(bits, int):
         return [bits] * num_layers
-    bits = list(bits)
     if len(bits) != num_layers:
-        raise ValueError(
+        raise InputError(
             f"{name} must be one bit width or a list of one per layer ({num_layers}), got "
             f"{len(bits)} values: {bits}"
         )
-    for i, b in enumerate(bits):
-        check_bits(f"{name}[{i}]", b)
     return bits
 
 
@@ -87,8 +112,10 @@ class KIVICache(Cache):
             ``layers[i].block_bits`` the widths of each block it flushed.
 
     Raises:
-        ValueError: If an argument is out of range (naming it), the config has non-full-attention
-            layers, or ``value_group_size`` does not divide the head dim.
+        InputError: (a ``ValueError`` and ``TypeError``) If an argument is out of range or of the
+            wrong type, naming it and the value (e.g. ``key_bits=2.0``: widths are ints), the
+            config has non-full-attention layers, or ``value_group_size`` does not divide the
+            head dim.
 
     Examples:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -119,24 +146,26 @@ class KIVICache(Cache):
         num_layers: int | None = None,
         impl: Impl = "auto",
     ) -> None:
+        key_bits = bits_argument("key_bits", key_bits)
+        value_bits = bits_argument("value_bits", value_bits)
+        check_group_size("key_group_size", key_group_size)
+        check_group_size("value_group_size", value_group_size)
         if config is not None:
             config = config.get_text_config(decoder=True)
             layer_types, _ = get_layer_types_and_kwargs(config)
             unsupported = sorted(set(layer_types) - {"full_attention"})
             if unsupported:
-                raise ValueError(
+                raise InputError(
                     f"KIVICache supports only full-attention layers, the config has {unsupported}"
                 )
             if num_layers is not None and num_layers != len(layer_types):
-                raise ValueError(
+                raise InputError(
                     f"num_layers={num_layers} disagrees with the config's {len(layer_types)} layers"
                 )
             num_layers = len(layer_types)
             head_dim = _head_dim(config)
-            if head_dim is not None and (
-                not isinstance(value_group_size, int) or head_dim % value_group_size
-            ):
-                raise ValueError(
+            if head_dim is not None and head_dim % value_group_size:
+                raise InputError(
                     f"value_group_size={value_group_size!r} must divide the head dim ({head_dim})"
                 )
         elif num_layers is None:
@@ -145,12 +174,12 @@ class KIVICache(Cache):
                     num_layers = len(bits)
                     break
             else:
-                raise ValueError(
+                raise InputError(
                     "KIVICache needs a config, num_layers, or per-layer lists of bits to know the "
                     "number of layers"
                 )
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+            raise InputError(f"num_layers must be a positive integer, got {num_layers!r}")
         kb = per_layer_bits("key_bits", key_bits, num_layers)
         vb = per_layer_bits("value_bits", value_bits, num_layers)
         layers = [

@@ -29,6 +29,7 @@ and never build the dequantized copy; prefill still uses SDPA.
 """
 
 from collections.abc import Callable
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl
 from ada_modules.kernels.kv_quant import (
     SUPPORTED_BITS,
@@ -54,19 +56,26 @@ __all__ = [
     "LazyDequantizedStates",
     "QuantizedKVLayer",
     "check_bits",
+    "check_group_size",
     "quantized_kv_attention",
 ]
 
 
-def _check_positive_power_of_two(name: str, value: object) -> None:
+def check_group_size(name: str, value: object) -> None:
+    """Raise :class:`~ada_modules.errors.InputError` naming ``name`` unless ``value`` is a
+    positive power of two (an ``int``)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
-        raise ValueError(f"{name} must be a positive power of two, got {value!r}")
+        raise InputError(f"{name} must be a positive power of two, got {value!r}")
 
 
 def check_bits(name: str, value: object) -> None:
-    """Raise ``ValueError`` naming ``name`` unless ``value`` is a supported bit width."""
-    if isinstance(value, bool) or value not in SUPPORTED_BITS:
-        raise ValueError(f"{name} must be one of {SUPPORTED_BITS}, got {value!r}")
+    """Raise :class:`~ada_modules.errors.InputError` naming ``name`` unless ``value`` is a
+    supported bit width: an ``int`` (not a ``bool`` or a ``float``) in :data:`SUPPORTED_BITS`."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value not in SUPPORTED_BITS:
+        raise InputError(
+            f"{name} must be one of {SUPPORTED_BITS} (an int), got {value!r} "
+            f"({type(value).__name__})"
+        )
 
 
 class QuantizedKVLayer(CacheLayerMixin):
@@ -120,22 +129,22 @@ class QuantizedKVLayer(CacheLayerMixin):
         super().__init__()
         check_bits("key_bits", key_bits)
         check_bits("value_bits", value_bits)
-        _check_positive_power_of_two("key_group_size", key_group_size)
-        _check_positive_power_of_two("value_group_size", value_group_size)
+        check_group_size("key_group_size", key_group_size)
+        check_group_size("value_group_size", value_group_size)
         if (
             isinstance(residual_length, bool)
             or not isinstance(residual_length, int)
             or residual_length < 1
             or residual_length % key_group_size
         ):
-            raise ValueError(
+            raise InputError(
                 f"residual_length must be a positive multiple of key_group_size={key_group_size}, "
                 f"got {residual_length!r}"
             )
         if impl not in ("auto", "triton", "torch"):
-            raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-        self.key_bits = key_bits
-        self.value_bits = value_bits
+            raise InputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+        self.key_bits = int(key_bits)
+        self.value_bits = int(value_bits)
         self.key_group_size = key_group_size
         self.value_group_size = value_group_size
         self.residual_length = residual_length
@@ -159,7 +168,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Set up an empty residual window for states like ``key_states``."""
         head_dim = key_states.shape[-1]
         if head_dim % self.value_group_size:
-            raise ValueError(
+            raise InputError(
                 f"value_group_size={self.value_group_size} must divide the head dim, got "
                 f"head_dim={head_dim}"
             )
@@ -247,12 +256,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape != value_states.shape:
-            raise ValueError(
+            raise InputError(
                 f"key_states and value_states must have one shape, got {tuple(key_states.shape)} "
                 f"and {tuple(value_states.shape)}"
             )
         if self.cumulative_length and key_states.shape[0] != self.keys.shape[0]:
-            raise ValueError(
+            raise InputError(
                 f"the cache holds batch size {self.keys.shape[0]}, got states of batch size "
                 f"{key_states.shape[0]}"
             )
@@ -296,7 +305,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             :func:`~ada_modules.kernels.kv_quant.decode_attention`.
         """
         if not self.is_initialized or self.cumulative_length == 0:
-            raise ValueError("attend needs a cache that holds at least one token")
+            raise InputError("attend needs a cache that holds at least one token")
         return decode_attention(
             query,
             self.segments,
@@ -366,14 +375,14 @@ class QuantizedKVLayer(CacheLayerMixin):
             ValueError: If ``tokens_to_remove`` is positive or reaches into packed history.
         """
         if tokens_to_remove > 0:
-            raise ValueError(
+            raise InputError(
                 f"crop takes a non-positive number of tokens to remove, got {tokens_to_remove}"
             )
         n = -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
         if n > self.keys.shape[-2]:
-            raise ValueError(
+            raise InputError(
                 f"cannot crop {n} tokens: only the {self.keys.shape[-2]} tokens of the residual "
                 "window are kept at full precision; packed history cannot be un-flushed"
             )

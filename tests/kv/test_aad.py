@@ -1,6 +1,8 @@
 """Average Attention Distance: exact values on hand-built attention, padding, sinks, profiles."""
 
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -195,3 +197,75 @@ def test_bad_input_raises_naming_the_value():
     acc.update([uniform(3)[None, None]])
     with pytest.raises(ValueError, match="heads"):
         acc.update([uniform(3)[None, None].repeat(1, 2, 1, 1)])
+
+
+def _profile_dict() -> dict:
+    acc = AADAccumulator()
+    acc.update([uniform(4)[None, None], one_hot_first(4)[None, None]])
+    return acc.compute().to_dict()
+
+
+def _set(path: tuple, value):
+    def edit(data: dict) -> None:
+        node = data
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (_set(("naad", 0, 0, 2), math.nan), r"'naad\[0\]\[0\]\[2\]' must be a finite number"),
+        (_set(("aad", 1, 0, 3), -1.0), r"'aad\[1\]\[0\]\[3\]' must be a finite number >= 0"),
+        (_set(("aad", 1, 0, 3), "7"), r"'aad\[1\]\[0\]\[3\]' must be a number or null"),
+        (_set(("layer_mean", 1), math.nan), r"'layer_mean\[1\]' must be a finite number"),
+        (_set(("layer_std", 0), math.inf), r"'layer_std\[0\]' must be a finite number"),
+        (_set(("layer_mean_tokens", 0), "x"), r"'layer_mean_tokens\[0\]' must be a number"),
+        (_set(("head_mean", 1, 0), math.nan), r"'head_mean\[1\]\[0\]' must be a finite"),
+        (_set(("layer_mean", 0), 0.9), r"'layer_mean\[0\]' is 0.9 but .* give 0.5"),
+        (_set(("layer_std_tokens",), 3), "'layer_std_tokens' must be a list of shape"),
+        (_set(("num_layers",), 3), "'num_layers' is 3 but 'aad' has 2 layers"),
+        (_set(("counts",), [1, 1]), "'counts' must be a list of 4 whole numbers"),
+        (_set(("counts", 1), 0.5), r"'counts' must be a list of 4 whole numbers .* 0.5"),
+        (_set(("sink_tokens",), 1.5), "'sink_tokens' must be an integer >= 0, got 1.5"),
+        (_set(("normalize",), "none"), "'normalize' must be 'position' or 'max'"),
+        (_set(("renormalize",), "yes"), "'renormalize' must be true or false"),
+        (lambda data: data.pop("naad"), "'naad' is missing"),
+        (
+            lambda data: data["aad"][0].append([0.1] * 4),
+            r"'aad\[1\]' has 1 entries but the others at this level have 2",
+        ),
+    ],
+)
+def test_profile_load_errors_name_the_file_and_the_field(tmp_path, edit, match):
+    # Issue 13: NaN/inf/wrong types in summary fields were silently ignored, and load errors
+    # did not name the file.
+    from ada_modules.errors import InputError
+    from ada_modules.kv import AdaKVQCache
+
+    data = _profile_dict()
+    AADProfile.from_dict(data)  # the unedited dict loads
+    edit(data)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))  # NaN and Infinity as JSON's non-standard literals
+    with pytest.raises(InputError, match=f"AAD profile {re.escape(str(path))}: field {match}"):
+        AADProfile.from_json(path)
+    with pytest.raises(InputError, match=f"AAD profile {re.escape(str(path))}: field {match}"):
+        AdaKVQCache(profile=str(path), budget=4.0, num_layers=2)
+
+
+def test_profile_that_is_not_json_names_the_file(tmp_path):
+    from ada_modules.errors import InputError
+
+    path = tmp_path / "broken.json"
+    path.write_text('{"aad": [')
+    with pytest.raises(InputError, match=f"AAD profile {re.escape(str(path))} is not valid JSON"):
+        AADProfile.from_json(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(
+        InputError, match=f"AAD profile {re.escape(str(path))} must be a JSON object"
+    ):
+        AADProfile.from_json(path)

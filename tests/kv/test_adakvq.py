@@ -484,3 +484,30 @@ def test_static_layers_and_reset_clear_the_dynamic_state():
     assert cache.layers[0].block_demand == [] and len(cache.layers[1].block_demand) == 2
     cache.layers[1].reset()
     assert cache.layers[1].block_demand == [] and cache.layers[1].credit == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"key_bits": 2.0, "value_bits": 2}, r"key_bits must be one of .* got 2.0 \(float\)"),
+        ({"key_bits": 2, "value_bits": [2, 4.0]}, r"value_bits\[1\] must be one of .* got 4.0"),
+        ({"key_bits": "24", "value_bits": 2}, r"key_bits must be one of .* got '24' \(str\)"),
+        ({"key_bits": 2, "value_bits": 2, "key_group_size": 0}, "key_group_size .* got 0"),
+        ({"profile": [0.1, 0.2], "budget": float("nan")}, "budget must be a finite number"),
+        ({"profile": [0.1, 0.2], "budget": "4.5"}, "budget must be a finite number .* got '4.5'"),
+        ({"profile": [0.1, 0.2], "budget": 4.5, "bit_widths": 2}, "bit_widths must be taken"),
+        ({"key_bits": 2, "value_bits": 2, "dynamic_bits": 3}, "dynamic_bits must be a non-empty"),
+        ({"key_bits": 2, "value_bits": 2, "dynamic_bits": (2, 3.0)}, "dynamic_bits must be one"),
+        ({"key_bits": 2, "value_bits": 2, "thresholds": 0.8}, r"thresholds must be \(low, high\)"),
+        ({"key_bits": 2, "value_bits": 2, "thresholds": "ab"}, r"thresholds .* got 'ab'"),
+        ({"key_bits": 2, "value_bits": 2, "ema_decay": "x"}, "ema_decay must be a number"),
+        ({"key_bits": 2, "value_bits": 2, "num_layers": 2.0}, "num_layers must be a positive"),
+        ({"key_bits": 2, "value_bits": 2, "allocation_seed": 1.5}, "allocation_seed must be"),
+    ],
+)
+def test_bits_and_sibling_arguments_are_checked_up_front(kwargs, match):
+    # Checked before anything else, even where they are not used (dynamic_layers=[] here).
+    from ada_modules.errors import InputError
+
+    with pytest.raises(InputError, match=match):
+        AdaKVQCache(CONFIG, value_group_size=16, dynamic_layers=[], **kwargs)

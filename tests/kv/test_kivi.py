@@ -408,3 +408,29 @@ def test_batch_size_mismatch_is_an_error():
     layer.update(torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 16))
     with pytest.raises(ValueError, match="batch size 2, got .* batch size 3"):
         layer.update(torch.randn(3, 1, 1, 16), torch.randn(3, 1, 1, 16))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"key_bits": 2.0},
+            r"key_bits must be one of \(2, 3, 4, 8\) \(an int\) .* got 2.0 \(float\)",
+        ),
+        ({"value_bits": "2"}, r"value_bits must be one of .* got '2' \(str\)"),
+        ({"key_bits": True}, r"key_bits must be one of .* got True \(bool\)"),
+        ({"key_bits": [2.0, 4]}, r"key_bits\[0\] must be one of .* got 2.0 \(float\)"),
+        ({"value_bits": []}, "value_bits must be .* got an empty list"),
+        ({"value_group_size": 0}, "value_group_size must be a positive power of two, got 0"),
+        ({"key_group_size": 32.0}, "key_group_size must be a positive power of two, got 32.0"),
+    ],
+    ids=["float", "str", "bool", "float_in_list", "empty", "zero_group", "float_group"],
+)
+@pytest.mark.parametrize("with_config", [True, False], ids=["config", "no_config"])
+def test_bits_and_group_arguments_are_checked_up_front(kwargs, match, with_config):
+    # Issue 13: KIVICache(config, key_bits=2.0) raised "'float' object is not iterable".
+    from ada_modules.errors import InputError
+
+    where = {"config": Qwen2Config(**TINY)} if with_config else {}
+    with pytest.raises(InputError, match=match):
+        KIVICache(**where, **kwargs)
