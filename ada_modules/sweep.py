@@ -2,8 +2,7 @@
 
 A sweep runs every variant of a base config for every seed, through the same code path as
 ``ada fit`` / ``ada test`` (one subprocess per stage, so a crash is one failed row and the rest go
-on), then writes ``results.json``, ``results.md`` (mean ± std over seeds) and one bar chart per
-metric.
+on), then writes ``results.json``, ``results.md`` (mean ± std over seeds) and one chart per metric.
 
 Spec format
 -----------
@@ -59,10 +58,15 @@ Outputs (``--out DIR``, default ``sweeps/<name>``): ``DIR/results.json`` (``runs
 per variant and seed, see :class:`RunRecord`; ``shared_fits``: one per seed), ``DIR/results.md``
 (per variant: successful/all runs and ``mean ± std`` over the successful seeds, the mean alone
 for one seed, the best mean in bold; see :func:`ada_modules.sweep_report.format_table`),
-``DIR/<metric>.png`` (``/`` in metric names becomes ``_``) and, per run,
+``DIR/<metric>.png`` (``/`` in metric names becomes ``_``; a chart of the mean ± std per variant, for
+every metric that some run logged; see :func:`ada_modules.sweep_report.plot_metrics`) and, per run,
 ``DIR/runs/<variant>/seed_<seed>/`` with ``<stage>.log`` (the CLI's output),
-``<stage>.metrics.json`` and ``checkpoints/last.ckpt``. Shared fits live in
-``DIR/shared_fit/seed_<seed>/``.
+``<stage>.metrics.json``, ``checkpoints/last.ckpt`` and whatever the run's callbacks write
+under its ``default_root_dir`` (e.g. images). Shared fits live in ``DIR/shared_fit/seed_<seed>/``.
+At the end the sweep prints what it wrote: the report files by name, the metrics left without a
+chart, and every image found in the run and shared-fit folders (path inside the folder, and in
+how many of them), or that the runs wrote none. A spec that promises images from its runs is held
+to it by that list, for the profile that was run.
 
 Resume: a run already recorded as ``ok`` in ``DIR/results.json`` with the same base, stages and
 overrides (and shared fit) is skipped; ``results.json`` is rewritten atomically after every run,
@@ -112,6 +116,7 @@ from typing import Any, Literal
 import yaml
 from jsonargparse import ArgumentError, ArgumentParser
 
+from ada_modules.errors import InputError
 from ada_modules.sweep_report import file_name, format_table, plot_metrics
 
 __all__ = [
@@ -176,14 +181,14 @@ class Metric:
             lowered = entry.lower()
             return cls(entry, "min" if any(h in lowered for h in _MIN_HINTS) else "max")
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise ValueError(f"expected a name or {{name, mode}}, got {entry!r}")
+            raise InputError(f"expected a name or {{name, mode}}, got {entry!r}")
         unknown = sorted(set(entry) - {"name", "mode"})
         if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r} (allowed: name, mode)")
+            raise InputError(f"unknown key {unknown[0]!r} (allowed: name, mode)")
         if "mode" not in entry:
             return cls.parse(entry["name"])
         if entry["mode"] not in ("max", "min"):
-            raise ValueError(
+            raise InputError(
                 f"mode of {entry['name']!r} must be 'max' or 'min', got {entry['mode']!r}"
             )
         return cls(entry["name"], entry["mode"])
@@ -743,9 +748,9 @@ def run_sweep(
         failed = [r for r in records if r.status == "failed"]
     """
     if jobs < 1:
-        raise ValueError(f"jobs must be at least 1, got {jobs}")
+        raise InputError(f"jobs must be at least 1, got {jobs}")
     if dry_run and collect:
-        raise ValueError("dry_run and collect exclude each other")
+        raise InputError("dry_run and collect exclude each other")
     if not isinstance(spec, SweepSpec):
         spec = SweepSpec.from_yaml(spec)
     out = Path(out if out is not None else Path("sweeps") / spec.name).resolve()
@@ -772,7 +777,7 @@ def run_sweep(
     else:
         _execute_all(spec, results, fits, runs, jobs)
     results.write()
-    return _report(spec, out, results.records())
+    return _report(spec, out, results.records(), results.records(shared=True))
 
 
 def _check_calls(spec: SweepSpec, runs: list[_Run]) -> None:
@@ -869,8 +874,10 @@ def _progress(index: int, total: int, label: str, outcome: str) -> None:
     print(f"[{index}/{total}] {label} ... {outcome}", file=sys.stderr, flush=True)
 
 
-def _report(spec: SweepSpec, out: Path, records: list[RunRecord]) -> list[RunRecord]:
-    """Write results.md and the plots, print the table, and return the records."""
+def _report(
+    spec: SweepSpec, out: Path, records: list[RunRecord], shared_fits: list[RunRecord]
+) -> list[RunRecord]:
+    """Write results.md and the plots, print the table and what was written; return the records."""
     order = [v.name for v in spec.variants]
     table = format_table(records, spec.metrics, order)
     (out / "results.md").write_text(f"# {spec.name}\n\n{table}\n", encoding="utf-8")
@@ -878,10 +885,60 @@ def _report(spec: SweepSpec, out: Path, records: list[RunRecord]) -> list[RunRec
     print(table)
     failed = sum(r.status != "ok" for r in records)
     note = f"; {failed} failed (see results.json)" if failed else ""
-    print(
-        f"\n{len(records)} runs{note}. Wrote results.json, results.md, {len(plots)} plot(s) to {out}"
-    )
+    print(f"\n{len(records)} runs{note}.")
+    print("\n".join(_outputs(spec, out, plots, records, shared_fits)))
     return records
+
+
+_IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")
+
+
+def _outputs(
+    spec: SweepSpec,
+    out: Path,
+    plots: list[Path],
+    records: list[RunRecord],
+    shared_fits: list[RunRecord],
+) -> list[str]:
+    """Lines naming the files the report wrote and the images the runs wrote, exactly.
+
+    The images are found in the run folders of ``records`` and ``shared_fits`` (a run's folder is
+    emptied before it runs, so they are that run's), grouped by their path inside the run folder.
+    """
+    lines = [
+        f"Wrote to {out}: " + ", ".join(["results.json", "results.md", *(p.name for p in plots)])
+    ]
+    charted = {p.name for p in plots}
+    missing = [m.name for m in spec.metrics if f"{file_name(m.name)}.png" not in charted]
+    if missing:
+        lines.append(f"No chart for {', '.join(missing)}: no successful run logged a finite value.")
+    for kind, folder, group in (
+        ("runs", "runs/<variant>/seed_<seed>", records),
+        ("shared fits", "shared_fit/seed_<seed>", shared_fits),
+    ):
+        if not group:
+            continue
+        images = _run_images(group)
+        if not images:
+            lines.append(f"The {kind} wrote no images.")
+            continue
+        lines.append(f"Images written by the {kind} (in {out}/{folder}/):")
+        lines += [f"  {name}: {count} of {len(group)} {kind}" for name, count in images.items()]
+    return lines
+
+
+def _run_images(records: list[RunRecord]) -> dict[str, int]:
+    """How many of the run folders hold each image file, by its path inside the folder."""
+    found: dict[str, int] = {}
+    for record in records:
+        run_dir = Path(record.run_dir)
+        if not run_dir.is_dir():
+            continue
+        for path in run_dir.rglob("*"):
+            if path.suffix.lower() in _IMAGE_SUFFIXES and path.is_file():
+                name = path.relative_to(run_dir).as_posix()
+                found[name] = found.get(name, 0) + 1
+    return dict(sorted(found.items()))
 
 
 def build_parser() -> ArgumentParser:

@@ -1,4 +1,4 @@
-"""Reports of ``ada sweep``: mean ± std per variant, a markdown table and bar charts.
+"""Reports of ``ada sweep``: mean ± std per variant, a markdown table and one chart per metric.
 
 These functions are pure (records in, text or image files out), so a sweep's results can be
 re-tabulated from ``results.json`` without running anything.
@@ -26,9 +26,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from ada_modules.sweep import Metric, RunRecord
 
-__all__ = ["Summary", "file_name", "format_table", "plot_metrics", "summarize"]
+__all__ = [
+    "Summary",
+    "file_name",
+    "format_table",
+    "metric_figure",
+    "plot_metrics",
+    "summarize",
+    "y_range",
+]
 
 
 @dataclass(frozen=True)
@@ -147,10 +157,14 @@ def plot_metrics(
     out: str | Path,
     order: Sequence[str] = (),
 ) -> list[Path]:
-    """Write ``out/<metric>.png`` per metric: a bar per variant (mean, std error bar).
+    """Write ``out/<metric>.png`` per metric: a point per variant (mean) with a std error bar.
 
-    The best variant's bar is highlighted. Metrics without any value are skipped. Uses
-    matplotlib's Agg canvas directly, so it needs no display and leaves pyplot's state alone.
+    The best variant is highlighted and every point is labelled with its mean. The y axis fits the
+    data (means ± std) with a small margin (see :func:`y_range`) rather than starting at 0, so that
+    0.93 and 0.95 are told apart; points, unlike bars, do not suggest a length measured from 0.
+    A metric without any value gets no chart, and a ``<metric>.png`` left in ``out`` by an earlier
+    sweep is removed, so the files there are exactly those returned. Uses matplotlib's Agg canvas
+    directly, so it needs no display and leaves pyplot's state alone.
 
     Returns:
         The files written.
@@ -159,36 +173,99 @@ def plot_metrics(
 
         paths = plot_metrics(records, [Metric("test/exact_match")], "sweeps/quickstart")
     """
-    from matplotlib.figure import Figure
-
     out = Path(out)
     summaries = summarize(records, metrics, order)
     written = []
     for metric in metrics:
-        rows = [
-            (v, s[metric.name]) for v, s in summaries.items() if s[metric.name].mean is not None
-        ]
-        if not rows:
-            continue
-        best = _best(summaries, metric)
-        names = [v for v, _ in rows]
-        means = [s.mean for _, s in rows]
-        errors = [s.std or 0.0 for _, s in rows]
-        colors = ["tab:orange" if s.mean == best else "tab:blue" for _, s in rows]
-        figure = Figure(figsize=(max(4.0, 1.0 + 0.9 * len(rows)), 3.6), layout="constrained")
-        axes = figure.add_subplot()
-        axes.bar(range(len(rows)), means, yerr=errors, capsize=4, color=colors)
-        long = max(len(n) for n in names) > 10
-        axes.set_xticks(
-            range(len(rows)), names, rotation=30 if long else 0, ha="right" if long else "center"
-        )
-        axes.set_ylabel(metric.name)
-        better = "higher" if metric.mode == "max" else "lower"
-        axes.set_title(f"{metric.name} ({better} is better; mean ± std over seeds)", fontsize=10)
         path = out / f"{file_name(metric.name)}.png"
+        figure = metric_figure(summaries, metric)
+        if figure is None:
+            path.unlink(missing_ok=True)  # a chart of an earlier sweep would look like this one's
+            continue
         figure.savefig(path, dpi=120)
         written.append(path)
     return written
+
+
+def metric_figure(summaries: dict[str, dict[str, Summary]], metric: Metric) -> Figure | None:
+    """The chart :func:`plot_metrics` writes for one metric, or ``None`` if it has no value.
+
+    Args:
+        summaries: The output of :func:`summarize`.
+        metric: The metric to chart.
+
+    Example::
+
+        >>> from ada_modules.sweep import Metric, RunRecord
+        >>> rec = lambda v, x: RunRecord(v, 0, "ok", {"acc": x}, {}, [], [], None, "", "")
+        >>> table = summarize([rec("a", 0.93), rec("b", 0.95)], [Metric("acc")])
+        >>> low, high = metric_figure(table, Metric("acc")).axes[0].get_ylim()
+        >>> print(f"{low:.3f} to {high:.3f}")  # not 0 to 1
+        0.928 to 0.952
+    """
+    from matplotlib.figure import Figure
+
+    rows = [(v, s[metric.name]) for v, s in summaries.items() if s[metric.name].mean is not None]
+    if not rows:
+        return None
+    best = _best(summaries, metric)
+    names = [v for v, _ in rows]
+    means = [s.mean for _, s in rows]
+    errors = [s.std or 0.0 for _, s in rows]
+    colors = ["tab:orange" if s.mean == best else "tab:blue" for _, s in rows]
+    figure = Figure(figsize=(max(4.0, 1.0 + 0.9 * len(rows)), 3.6), layout="constrained")
+    axes = figure.add_subplot()
+    positions = range(len(rows))
+    axes.errorbar(positions, means, yerr=errors, fmt="none", ecolor="0.3", capsize=4, zorder=1)
+    axes.scatter(positions, means, c=colors, s=40, zorder=2)
+    for x, mean in zip(positions, means, strict=True):
+        axes.annotate(
+            _number(mean),
+            (x, mean),
+            xytext=(6, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=8,
+        )
+    axes.set_xlim(-0.5, len(rows) - 0.5)
+    axes.set_ylim(*y_range(means, errors))
+    axes.grid(axis="y", alpha=0.3)
+    long = max(len(n) for n in names) > 10
+    axes.set_xticks(positions, names, rotation=30 if long else 0, ha="right" if long else "center")
+    axes.set_ylabel(metric.name)
+    better = "higher" if metric.mode == "max" else "lower"
+    axes.set_title(f"{metric.name}\n{better} is better; mean ± std over seeds", fontsize=10)
+    return figure
+
+
+def y_range(
+    means: Sequence[float], errors: Sequence[float], margin: float = 0.1
+) -> tuple[float, float]:
+    """The y limits of a chart: the lowest ``mean - error`` to the highest ``mean + error``,
+    widened by ``margin`` times that span on each side.
+
+    The axis is not stretched down to 0 (it would flatten 0.93 vs 0.95), except that it does not
+    dip below 0 for data that is all non-negative. Equal values without spread get a range of
+    ±5 % of their size (±0.5 around 0).
+
+    Example::
+
+        >>> y_range([0.93, 0.95], [0.0, 0.0])
+        (0.928, 0.952)
+        >>> y_range([0.01, 0.02], [0.01, 0.01])  # not below 0 for non-negative data
+        (0.0, 0.033)
+        >>> y_range([2.0], [0.0])
+        (1.9, 2.1)
+    """
+    low = min(m - e for m, e in zip(means, errors, strict=True))
+    high = max(m + e for m, e in zip(means, errors, strict=True))
+    pad = margin * (high - low)
+    if pad <= 0:
+        pad = 0.05 * max(abs(low), abs(high)) or 0.5
+    bottom = low - pad
+    if low >= 0 > bottom:
+        bottom = 0.0
+    return round(bottom, 12), round(high + pad, 12)
 
 
 def _best(summaries: dict[str, dict[str, Summary]], metric: Metric) -> float | None:

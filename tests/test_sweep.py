@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from jsonargparse import ArgumentParser
 
 from ada_modules import sweep
@@ -334,9 +335,79 @@ def test_mean_std_table_with_bold_best():
 def test_plots_one_png_per_metric_with_safe_names(tmp_path):
     records = [record("a", 0, {"test/acc": 1.0}), record("b", 0, {"test/acc": 2.0})]
     metrics = [Metric("test/acc"), Metric("test/never_logged")]
+    (tmp_path / "test_never_logged.png").write_bytes(b"a chart of an earlier sweep")
     paths = plot_metrics(records, metrics, tmp_path)
     assert paths == [tmp_path / "test_acc.png"]
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(tmp_path.iterdir()) == paths  # the stale chart is gone: exactly what was written
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"fp": [0.95, 0.96], "kivi2": [0.93, 0.925], "adakvq": [0.94]},
+        {"a": [1200.0, 1300.0], "b": [1250.0, 1250.0]},
+        {"a": [-3.0], "b": [-2.0]},
+        {"a": [0.0], "b": [0.02]},  # non-negative data: the margin stops at 0
+    ],
+)
+def test_chart_y_axis_fits_the_data_and_its_error_bars(values):
+    from ada_modules.sweep_report import metric_figure
+
+    records = [record(v, s, {"m": x}) for v, xs in values.items() for s, x in enumerate(xs)]
+    summaries = summarize(records, [Metric("m")])
+    ends = [
+        (row["m"].mean - (row["m"].std or 0.0), row["m"].mean + (row["m"].std or 0.0))
+        for row in summaries.values()
+    ]
+    low, high = min(e[0] for e in ends), max(e[1] for e in ends)
+    axes = metric_figure(summaries, Metric("m")).axes[0]
+    bottom, top = axes.get_ylim()
+    # Every mean ± std is inside the axis, with a margin of at most 10 % of the data's span on
+    # each side: the axis no longer starts at 0, which made 0.93 and 0.95 look the same.
+    margin = 0.1 * (high - low) + 1e-9
+    assert low - margin <= bottom <= low and high <= top <= high + margin
+    assert not axes.patches, "no bars: their length would be read from a baseline that is not 0"
+    assert metric_figure(summarize([record("a", 0, {})], [Metric("m")]), Metric("m")) is None
+
+
+def test_y_range_of_equal_values_and_zero():
+    from ada_modules.sweep_report import y_range
+
+    assert y_range([0.93, 0.95], [0.0, 0.0]) == (0.928, 0.952)
+    assert y_range([5.0, 5.0], [0.0, 0.0]) == (4.75, 5.25)
+    assert y_range([0.0], [0.0]) == (0.0, 0.5)
+    assert y_range([-1.0], [0.0]) == (-1.05, -0.95)
+
+
+def test_report_lists_exactly_the_files_written(tmp_path, capsys):
+    spec = SweepSpec.from_dict(
+        {"base": str(BASE), "metrics": ["test/acc", "test/never_logged"], "name": "r"},
+        tmp_path / "spec.yaml",
+    )
+    runs = []
+    for seed in (0, 1):
+        run_dir = tmp_path / "runs" / "base" / f"seed_{seed}"
+        run_dir.mkdir(parents=True)
+        runs.append(
+            RunRecord("base", seed, "ok", {"test/acc": 0.9}, {}, [], [], None, str(run_dir), "")
+        )
+    (tmp_path / "runs" / "base" / "seed_0" / "conn").mkdir()
+    (tmp_path / "runs" / "base" / "seed_0" / "conn" / "m_step50.png").write_bytes(b"png")
+    (tmp_path / "runs" / "base" / "seed_0" / "fit.log").write_text("not an image")
+    fit_dir = tmp_path / "shared_fit" / "seed_0"
+    fit_dir.mkdir(parents=True)
+    fit = RunRecord("(shared fit)", 0, "ok", {}, {}, [], [], None, str(fit_dir), "")
+    sweep._report(spec, tmp_path, runs, [fit])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-5:] == [
+        f"Wrote to {tmp_path}: results.json, results.md, test_acc.png",
+        "No chart for test/never_logged: no successful run logged a finite value.",
+        f"Images written by the runs (in {tmp_path}/runs/<variant>/seed_<seed>/):",
+        "  conn/m_step50.png: 1 of 2 runs",
+        "The shared fits wrote no images.",
+    ]
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["test_acc.png"]
 
 
 # --- dry run (no subprocess) ------------------------------------------------------------------
@@ -422,7 +493,8 @@ def test_sweep_writes_results_json_md_and_plots(main_sweep):
         score = {"a": 1.0, "b": 2.5}[r.variant]
         assert r.metrics["test/score"] == 10 * score + r.seed
         assert r.metrics["test/steps"] == 2  # the quick profile, through fit's checkpoint
-        assert r.overrides == {"model.init_args.score": score, "trainer.max_steps": 2}
+        image = {"model.init_args.image": True} if r.variant == "b" else {}
+        assert r.overrides == {"model.init_args.score": score, **image, "trainer.max_steps": 2}
         assert r.wall_s > 0
         run_dir = Path(r.run_dir)
         assert (run_dir / "checkpoints" / "last.ckpt").is_file()
@@ -434,6 +506,15 @@ def test_sweep_writes_results_json_md_and_plots(main_sweep):
     assert EXPECTED_TABLE in stdout
     for name in ("test_score.png", "test_steps.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    # The report names exactly the files written: its own, and the images the runs wrote.
+    assert sorted(p.name for p in out.glob("*.png")) == ["test_score.png", "test_steps.png"]
+    images = sorted(p.relative_to(out).as_posix() for p in (out / "runs").rglob("*.png"))
+    assert images == [f"runs/b/seed_{s}/images/steps_2.png" for s in (0, 1)]
+    assert stdout.splitlines()[-3:] == [
+        f"Wrote to {out.resolve()}: results.json, results.md, test_score.png, test_steps.png",
+        f"Images written by the runs (in {out.resolve()}/runs/<variant>/seed_<seed>/):",
+        "  images/steps_2.png: 2 of 4 runs",
+    ]
     started = [line for line in stderr.splitlines() if line.startswith("[start] ")]
     assert sorted(started) == [f"[start] variant={v} seed={s}" for v in "ab" for s in (0, 1)]
     progress = [line for line in stderr.splitlines() if line.startswith("[") and line[1].isdigit()]
@@ -448,6 +529,7 @@ def test_rerun_skips_finished_runs(main_sweep, monkeypatch):
     assert launched == []
     assert stderr.count("ok earlier, skipped") == 4
     assert again == records and EXPECTED_TABLE in stdout
+    assert stdout.splitlines()[-1] == "  images/steps_2.png: 2 of 4 runs"  # kept with their runs
     # Without --quick the overrides differ, so nothing is reused (checked without running it).
     spec = SweepSpec.from_yaml(FIXTURES / "main.yaml")
     _, full = sweep._plan(spec, out, quick=False)
@@ -537,3 +619,28 @@ def test_quickstart_sweep_quick_profile(tmp_path):
     assert len(data["runs"]) == 4
     assert (out / "test_exact_match.png").is_file()
     assert "test/exact_match" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("spec_path", "callback"),
+    [
+        ("ancre/repro.yaml", "ConnectivityMonitor"),
+        ("ancre/repro_lm.yaml", "ConnectivityMonitor"),
+        ("adakvq/repro.yaml", "AADProfiler"),
+        ("adakvq/repro_arith.yaml", "AADProfiler"),
+    ],
+)
+def test_quick_profiles_write_the_images_their_specs_promise(spec_path, callback):
+    """The image-writing callback of each spec fires within the quick profile's steps."""
+    spec = SweepSpec.from_yaml(ROOT / "cli_configs" / spec_path)
+    trainer = {}
+    for base in spec.base:
+        trainer.update(yaml.safe_load(base.read_text())["trainer"])
+    overrides = {**spec.overrides, **(spec.shared_fit or {}), **spec.quick}
+    trainer.update({k.removeprefix("trainer."): v for k, v in overrides.items()})
+    (found,) = [c for c in trainer["callbacks"] if c["class_path"].endswith(f".{callback}")]
+    if callback == "ConnectivityMonitor":  # writes every `every_n_steps` optimizer steps
+        assert found["init_args"]["every_n_steps"] <= trainer["max_steps"]
+    else:  # writes at each validation
+        assert "validation" in found["init_args"]["loops"]
+        assert trainer["val_check_interval"] <= trainer["max_steps"]

@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ada_modules.errors import InputError
 from ada_modules.kernels import exponent_codec as codec
-from ada_modules.kernels._dispatch import Impl
+from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
 from ada_modules.strategies.adera_cost_model import CostModel
 from ada_modules.strategies.adera_stats import GatherStats
 from ada_modules.strategies.adera_trace import GatherRecord
@@ -62,6 +63,7 @@ __all__ = [
     "MIN_TORCH_VERSION",
     "AdERAAllGather",
     "Mode",
+    "check_impl",
     "install_adera_all_gather",
     "require_custom_all_gather",
     "verify_exponent_caches",
@@ -95,6 +97,59 @@ def require_custom_all_gather() -> None:
             f"AdERA needs FSDP2's custom all-gather (FSDPModule.set_custom_all_gather), available "
             f"from torch {MIN_TORCH_VERSION}; this is torch {torch.__version__}"
         )
+
+
+def check_impl(impl: object) -> Impl:
+    """Validate a codec ``impl`` where it is given, not at the first compressed gather.
+
+    The all-gather runs on CUDA tensors when CUDA is available and on CPU tensors otherwise, so
+    ``impl="triton"`` is checked as :func:`~ada_modules.kernels.resolve_impl` will check it then:
+    triton must be importable, and without CUDA the Triton interpreter must be on
+    (``TRITON_INTERPRET=1``). No CUDA tensor is created (that would initialise CUDA before Lightning
+    launches its processes).
+
+    Args:
+        impl: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or ``"torch"``.
+
+    Returns:
+        ``impl``.
+
+    Raises:
+        InputError: If ``impl`` is not an allowed value, or is ``"triton"`` and Triton cannot run
+            here.
+
+    Examples:
+        >>> check_impl("torch")
+        'torch'
+        >>> try:
+        ...     check_impl("cuda")
+        ... except InputError as error:
+        ...     print(str(error).partition(" (")[2].partition(")")[0])  # the allowed values
+        'auto', 'triton', 'torch'
+    """
+    allowed = get_args(Impl)
+    if not isinstance(impl, str) or impl not in allowed:
+        raise InputError(
+            f'impl must be one of {allowed}, got {impl!r} ("auto" runs the Triton codec on CUDA '
+            "devices and the torch codec otherwise)"
+        )
+    if impl != "triton":
+        return impl
+    if not triton_available():
+        problem = "the triton package cannot be imported here"
+    elif torch.cuda.is_available():
+        return impl
+    else:
+        try:  # the gathers will run on CPU tensors: resolve_impl decides as it will then
+            resolve_impl(impl, torch.empty(0))
+        except ValueError as error:
+            problem = f"no CUDA device is available ({error})"
+        else:
+            return impl
+    raise InputError(
+        f"impl='triton' cannot run the AdERA codec on this machine: {problem}; allowed: {allowed}, "
+        "use impl='auto' (Triton on CUDA, torch otherwise) or impl='torch'"
+    )
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -138,11 +193,13 @@ class AdERAAllGather(_AllGatherBase):
             ones; 1 sizes every gather from all recent ones. A wrong guess costs a spill gather,
             never exactness.
         shadow: Also run the default all-gather and raise if the outputs differ in any bit.
-        impl: Codec implementation (``"auto"``: Triton on CUDA, torch otherwise).
+        impl: Codec implementation: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or
+            ``"torch"``; checked here (see :func:`check_impl`), so a Triton codec that cannot run
+            on this machine fails at construction, not at the first compressed gather.
         name: A label for messages (e.g. the module's name).
 
     Raises:
-        ValueError: For a bad argument.
+        InputError: For a bad argument (a ``ValueError``).
         RuntimeError: If this torch has no custom all-gather (see :func:`require_custom_all_gather`).
     """
 
@@ -163,25 +220,26 @@ class AdERAAllGather(_AllGatherBase):
     ) -> None:
         require_custom_all_gather()
         if mode not in get_args(Mode):
-            raise ValueError(f"mode must be one of {get_args(Mode)}, got {mode!r}")
+            raise InputError(f"mode must be one of {get_args(Mode)}, got {mode!r}")
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
-            raise ValueError(f"min_numel must be a non-negative int, got {min_numel!r}")
+            raise InputError(f"min_numel must be a non-negative int, got {min_numel!r}")
         if (
             isinstance(chunk_size, bool)
             or not isinstance(chunk_size, int)
             or not (16 <= chunk_size <= 32768 and chunk_size & (chunk_size - 1) == 0)
         ):
-            raise ValueError(
+            raise InputError(
                 f"chunk_size must be a power of two in [16, 32768], got {chunk_size!r}"
             )
         if not 0 <= initial_capacity <= 1:
-            raise ValueError(f"initial_capacity must be in [0, 1], got {initial_capacity!r}")
+            raise InputError(f"initial_capacity must be in [0, 1], got {initial_capacity!r}")
         if not headroom >= 1:
-            raise ValueError(f"headroom must be >= 1, got {headroom!r}")
+            raise InputError(f"headroom must be >= 1, got {headroom!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int, got {window!r}")
+            raise InputError(f"window must be a positive int, got {window!r}")
         if isinstance(period, bool) or not isinstance(period, int) or not 1 <= period <= window:
-            raise ValueError(f"period must be an int in [1, window={window}], got {period!r}")
+            raise InputError(f"period must be an int in [1, window={window}], got {period!r}")
+        check_impl(impl)
         self.mode: Mode = mode
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self.min_numel = min_numel
@@ -221,7 +279,7 @@ class AdERAAllGather(_AllGatherBase):
         world = group.size()
         numel, dtype = input_tensor.numel(), input_tensor.dtype
         if output_tensor.numel() != world * numel:
-            raise ValueError(
+            raise InputError(
                 f"output_tensor must have world_size * input numel = {world * numel} elements, "
                 f"got {output_tensor.numel()}"
             )
@@ -484,7 +542,7 @@ def install_adera_all_gather(module: nn.Module, **kwargs: object) -> dict[str, A
             sub.set_custom_all_gather(comm)
             comms[name] = comm
     if not comms:
-        raise ValueError("module has no FSDP module: apply fully_shard before installing AdERA")
+        raise InputError("module has no FSDP module: apply fully_shard before installing AdERA")
     return comms
 
 

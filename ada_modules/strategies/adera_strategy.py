@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.constants import default_pg_timeout
 
+from ada_modules.errors import InputError
 from ada_modules.kernels import exponent_codec as codec
 from ada_modules.kernels._dispatch import Impl
 from ada_modules.strategies.adera import (
@@ -78,7 +79,10 @@ class AdERAStrategy(ModelParallelStrategy):
         shadow: Debug: also run the default all-gather and raise on any difference.
         check_caches: Debug: compare the exponent caches across ranks after every training step.
         log_stats: Log the per-step statistics with ``LightningModule.log_dict``.
-        impl: Codec implementation (``"auto"``: Triton on CUDA, torch otherwise).
+        impl: Codec implementation: ``"auto"`` (Triton on CUDA, torch otherwise), ``"triton"`` or
+            ``"torch"``; checked here, so a Triton codec that cannot run on this machine fails at
+            construction rather than at the first compressed gather
+            (see :func:`~ada_modules.strategies.adera.check_impl`).
         alternate_steps: Benchmark aid: compress only on odd training steps and send every gather
             raw on even ones (the caches stay current), so that one run measures both kinds of
             step under the same machine load; ``trace_path`` then records both (the records say
@@ -87,6 +91,7 @@ class AdERAStrategy(ModelParallelStrategy):
             fit (rank 0; parent folders are created). ``None``: record nothing.
 
     Raises:
+        InputError: For a bad argument (a ``ValueError``), e.g. ``impl="cuda"``.
         RuntimeError: At setup, if this torch has no FSDP2 custom all-gather (torch < 2.9).
 
     Examples:
@@ -116,7 +121,7 @@ class AdERAStrategy(ModelParallelStrategy):
         trace_path: str | None = None,
     ) -> None:
         if trace_path is not None and (not isinstance(trace_path, str) or not trace_path):
-            raise ValueError(f"trace_path must be None or a non-empty path, got {trace_path!r}")
+            raise InputError(f"trace_path must be None or a non-empty path, got {trace_path!r}")
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,

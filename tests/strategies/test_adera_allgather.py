@@ -351,3 +351,32 @@ def test_old_torch_is_refused_clearly(monkeypatch):
 def test_install_needs_a_sharded_module():
     with pytest.raises(ValueError, match="apply fully_shard before installing AdERA"):
         install_adera_all_gather(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("impl", ["cuda", "Triton", "", None, 3])
+def test_all_gather_rejects_an_unknown_impl_at_construction(impl):
+    from ada_modules.errors import InputError
+
+    with pytest.raises(InputError, match=r"impl must be one of \('auto', 'triton', 'torch'\)"):
+        AdERAAllGather(mode="never", impl=impl)
+
+
+def test_all_gather_rejects_a_triton_codec_that_cannot_run_here(monkeypatch):
+    from ada_modules.errors import InputError
+    from ada_modules.strategies import adera
+
+    # No CUDA and no Triton interpreter: the first compressed gather would fail, so construction does.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(adera, "triton_available", lambda: True)
+    with pytest.raises(
+        InputError, match=r"impl='triton' cannot run .*no CUDA device.*TRITON_INTERP"
+    ):
+        AdERAAllGather(mode="never", impl="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs the kernels on CPU tensors
+    assert AdERAAllGather(mode="always", impl="triton").impl == "triton"
+    monkeypatch.setattr(adera, "triton_available", lambda: False)
+    with pytest.raises(InputError, match="triton package cannot be imported"):
+        AdERAAllGather(impl="triton")
+    for impl in ("auto", "torch"):  # always runnable
+        assert AdERAAllGather(impl=impl).impl == impl

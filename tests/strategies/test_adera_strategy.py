@@ -242,3 +242,16 @@ def test_trace_from_records_needs_one_method_per_step():
             trace_from_records(steps, world_size=2, method=bad)
     trace = trace_from_records(steps, world_size=2, method=["raw", "adera"])
     assert trace.measured_step_s == {"raw": 2.0, "adera": 2.0}
+
+
+def test_impl_is_validated_at_construction(monkeypatch):
+    from ada_modules.errors import InputError
+
+    for mode in ("auto", "never"):
+        with pytest.raises(InputError, match=r"impl must be one of .*got 'cuda'"):
+            AdERAStrategy(mode=mode, impl="cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(InputError, match="impl='triton' cannot run"):
+        AdERAStrategy(mode="never", impl="triton")
+    assert AdERAStrategy(impl="auto").impl == "auto"
