@@ -1,6 +1,15 @@
-"""Lightning Callbacks, one per file, drop-in for any ``Trainer`` (profilers, monitors)."""
+"""Lightning Callbacks, one per file, drop-in for any ``Trainer`` (profilers, monitors, bars)."""
 
 from ada_modules.callbacks.aad_profiler import AADProfiler
 from ada_modules.callbacks.connectivity_monitor import ConnectivityMonitor
+from ada_modules.callbacks.progress_bar import BudgetProgressBar
+from ada_modules.callbacks.summary import fit_summary
+from ada_modules.callbacks.training_curves import TrainingCurves
 
-__all__ = ["AADProfiler", "ConnectivityMonitor"]
+__all__ = [
+    "AADProfiler",
+    "BudgetProgressBar",
+    "ConnectivityMonitor",
+    "TrainingCurves",
+    "fit_summary",
+]

@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from ada_modules.data.tokenizer import CharTokenizer
+from ada_modules.errors import InputError
 from ada_modules.models.causal_lm import ARCHITECTURES, build_causal_lm
 from ada_modules.optim.param_groups import weight_decay_param_groups
 from ada_modules.posttrain.advantages import ADVANTAGE_ESTIMATORS, RolloutStats, clip_cov_mask
@@ -73,22 +75,26 @@ class OnPolicyModule(LightningModule):
     cross-entropy on the response tokens, a second optimizer with learning rate ``sft_lr``).
 
     Budget: RL stops once ``max_sampled_tokens`` response tokens were sampled (``None``: the
-    Trainer's limits decide). Every ``eval_every_tokens`` sampled tokens (and at the start and
-    the end of RL) the policy plays the first ``eval_tasks`` validation tasks ``eval_samples``
-    times each at ``temperature``; the success curve against sampled tokens gives
-    ``val/success``, ``val/success_start`` (before RL), ``val/success_best``, ``val/success_auc``
-    (area under the curve divided by its token span), ``val/tokens_to_threshold`` (first crossing
-    of ``success_threshold``, interpolated; the tokens sampled so far while not reached) and
-    ``val/success_greedy``. The Lightning validation loop (``ada validate``, or
-    ``limit_val_batches > 0``) logs ``val/success``, ``val/success_greedy`` and
-    ``val/response_length`` on its own tasks and the curve summary so far.
+    Trainer's limits decide), with one line saying so (``rank_zero_info``);
+    :meth:`progress_budget` tells :class:`~ada_modules.callbacks.BudgetProgressBar` to count
+    SFT steps, then sampled tokens, instead of the epoch's batches. Every ``eval_every_tokens``
+    sampled tokens (and at the start and the end of RL) the policy plays the first
+    ``eval_tasks`` validation tasks ``eval_samples`` times each at ``temperature``; the success
+    curve against sampled tokens gives ``val/success``, ``val/success_start`` (before RL),
+    ``val/success_best``, ``val/success_auc`` (area under the curve divided by its token span),
+    ``val/tokens_to_threshold`` (first crossing of ``success_threshold``, interpolated; the
+    tokens sampled so far while not reached) and ``val/success_greedy``. The Lightning
+    validation loop (``ada validate``, or ``limit_val_batches > 0``) logs ``val/success``,
+    ``val/success_greedy`` and ``val/response_length`` on its own tasks and the curve summary
+    so far.
 
-    Logged per RL step (``train/``): ``reward``, ``success``, ``token_entropy`` (mean entropy of
-    the next-token distributions at response tokens), ``response_entropy`` (mean surprisal
-    ``-log pi(response)`` of a response, an unbiased estimate of the response-level entropy),
-    ``response_entropy_early`` / ``_late`` (its mean over the first / last third of the token
-    budget), ``kl`` (k3 estimate to the frozen policy), ``clip_fraction``, ``response_length``,
-    ``episode_turns``, ``sampled_tokens``, ``advantage_abs``, ``loss``.
+    Logged per RL step (``train/``): ``reward`` and ``success`` (also on the progress bar),
+    ``token_entropy`` (mean entropy of the next-token distributions at response tokens),
+    ``response_entropy`` (mean surprisal ``-log pi(response)`` of a response, an unbiased
+    estimate of the response-level entropy), ``response_entropy_early`` / ``_late`` (its mean
+    over the first / last third of the token budget), ``kl`` (k3 estimate to the frozen
+    policy), ``clip_fraction``, ``response_length``, ``episode_turns``, ``sampled_tokens``,
+    ``advantage_abs``, ``loss``.
 
     The policy is a Llama or Qwen2 model built from a config with the
     :class:`~ada_modules.data.CharTokenizer` vocabulary (as in
@@ -184,7 +190,7 @@ class OnPolicyModule(LightningModule):
     ) -> None:
         super().__init__()
         if architecture not in ARCHITECTURES:
-            raise ValueError(
+            raise InputError(
                 f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}"
             )
         positive = {
@@ -202,48 +208,48 @@ class OnPolicyModule(LightningModule):
         }
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
         if hidden_size % num_heads or num_heads % num_kv_heads:
-            raise ValueError(
+            raise InputError(
                 f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}, and "
                 f"num_heads by num_kv_heads={num_kv_heads}"
             )
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-            raise ValueError(
+            raise InputError(
                 f"group_size must be an integer >= 2 (group-relative advantages need at least "
                 f"two episodes per task), got {group_size!r}"
             )
         if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+            raise InputError(f"temperature must be > 0, got {temperature!r}")
         if advantage not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
+            raise InputError(
                 f"advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}, got {advantage!r}"
             )
         if loss_type not in _LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {_LOSS_TYPES}, got {loss_type!r}")
+            raise InputError(f"loss_type must be one of {_LOSS_TYPES}, got {loss_type!r}")
         for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
             if not 0.0 <= value:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+                raise InputError(f"{name} must be >= 0, got {value!r}")
         if clip_low >= 1.0:
-            raise ValueError(f"clip_low must be < 1, got {clip_low!r}")
+            raise InputError(f"clip_low must be < 1, got {clip_low!r}")
         if not kl_coef >= 0.0:
-            raise ValueError(f"kl_coef must be >= 0, got {kl_coef!r}")
+            raise InputError(f"kl_coef must be >= 0, got {kl_coef!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be None or > 0, got {max_grad_norm!r}")
+            raise InputError(f"max_grad_norm must be None or > 0, got {max_grad_norm!r}")
         if not 0.0 <= clip_cov_ratio <= 1.0:
-            raise ValueError(f"clip_cov_ratio must be in [0, 1], got {clip_cov_ratio!r}")
+            raise InputError(f"clip_cov_ratio must be in [0, 1], got {clip_cov_ratio!r}")
         if isinstance(sft_steps, bool) or not isinstance(sft_steps, int) or sft_steps < 0:
-            raise ValueError(f"sft_steps must be an integer >= 0, got {sft_steps!r}")
+            raise InputError(f"sft_steps must be an integer >= 0, got {sft_steps!r}")
         if sft_lr is not None and not sft_lr > 0:
-            raise ValueError(f"sft_lr must be None or > 0, got {sft_lr!r}")
+            raise InputError(f"sft_lr must be None or > 0, got {sft_lr!r}")
         for name, value in (
             ("max_sampled_tokens", max_sampled_tokens),
             ("eval_every_tokens", eval_every_tokens),
         ):
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be None or a positive integer, got {value!r}")
+                raise InputError(f"{name} must be None or a positive integer, got {value!r}")
         if not 0.0 < success_threshold <= 1.0:
-            raise ValueError(f"success_threshold must be in (0, 1], got {success_threshold!r}")
+            raise InputError(f"success_threshold must be in (0, 1], got {success_threshold!r}")
         self.save_hyperparameters(ignore=["optimizer"])
         self.automatic_optimization = False
         self.tokenizer = CharTokenizer()
@@ -287,6 +293,7 @@ class OnPolicyModule(LightningModule):
         self.curve: list[tuple[int, float]] = []
         self.entropy_thirds = [[0.0, 0], [0.0, 0], [0.0, 0]]
         self._reference: list[torch.nn.Module] = []  # a list: not a registered submodule
+        self._budget_stopped = False  # set when the token budget ends a fit (see on_train_end)
 
     # ------------------------------------------------------------------ environment and rollout
 
@@ -304,14 +311,14 @@ class OnPolicyModule(LightningModule):
 
     def _encode_observation(self, env: TextEnv, observation: object, seed: int) -> list[int]:
         if not isinstance(observation, str) or not observation:
-            raise ValueError(
+            raise InputError(
                 f"{type(env).__name__} returned an invalid observation for task seed {seed}: "
                 f"expected a non-empty string, got {observation!r}"
             )
         try:
             return self.tokenizer.encode(observation)
         except ValueError as error:
-            raise ValueError(
+            raise InputError(
                 f"{type(env).__name__} returned an invalid observation for task seed {seed}: "
                 f"{error}"
             ) from None
@@ -388,7 +395,7 @@ class OnPolicyModule(LightningModule):
                     actions[i] += [0] * len(observation)
         for ep, seed in zip(episodes, seeds, strict=True):
             if not ep.done:
-                raise ValueError(
+                raise InputError(
                     f"{type(env).__name__}: the episode of task seed {seed} has not ended after "
                     f"max_turns={env.max_turns} responses"
                 )
@@ -491,12 +498,12 @@ class OnPolicyModule(LightningModule):
             ValueError: If the shapes do not match.
         """
         if logp.shape != old_logp.shape or logp.shape != mask.shape:
-            raise ValueError(
+            raise InputError(
                 "logp, old_logp and mask must have the same shape, got "
                 f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
             )
         if advantages.shape != logp.shape[:1]:
-            raise ValueError(
+            raise InputError(
                 f"advantages must have shape ({logp.shape[0]},) (one per sequence), got "
                 f"{tuple(advantages.shape)}"
             )
@@ -606,7 +613,7 @@ class OnPolicyModule(LightningModule):
         estimator = ADVANTAGE_ESTIMATORS[self.advantage]
         advantages = estimator(rewards, stats, **self.advantage_kwargs).reshape(-1)
         if advantages.shape != rollout.rewards.shape:
-            raise ValueError(
+            raise InputError(
                 f"advantage estimator {self.advantage!r} returned shape "
                 f"{tuple(advantages.shape)}, expected {tuple(rewards.shape)}"
             )
@@ -650,6 +657,8 @@ class OnPolicyModule(LightningModule):
         for key, values in diagnostics.items():
             metrics[f"train/{key}"] = torch.stack(values).mean()
         metrics.update(self._entropy_summary())
+        shown = {name: metrics.pop(name) for name in ("train/reward", "train/success")}
+        self.log_dict(shown, batch_size=num_prompts, prog_bar=True)
         self.log_dict(metrics, batch_size=num_prompts)
         budget_spent = self.max_sampled_tokens and self.sampled_tokens >= self.max_sampled_tokens
         last_eval = self.curve[-1][0] if self.curve else 0
@@ -658,7 +667,32 @@ class OnPolicyModule(LightningModule):
         ):
             self._evaluate_curve(env)
         if budget_spent:
+            self._budget_stopped = True
             self.trainer.should_stop = True
+
+    def progress_budget(self) -> tuple[int, int, str] | None:
+        """``(done, total, label)`` of the budget now running, for a progress bar; ``None``: none.
+
+        The warm start counts ``sft_steps`` (label ``"SFT step"``), RL the sampled response
+        tokens against ``max_sampled_tokens`` (label ``"sampled tokens"``); see
+        :class:`~ada_modules.callbacks.BudgetProgressBar`.
+        """
+        if self.sft_done < self.sft_steps:
+            return self.sft_done, self.sft_steps, "SFT step"
+        if self.max_sampled_tokens:
+            return self.sampled_tokens, self.max_sampled_tokens, "sampled tokens"
+        return None
+
+    def on_train_end(self) -> None:
+        # After the progress bar closed its line (callbacks' on_train_end run first).
+        if self._budget_stopped:
+            steps = f"{self.rl_steps:,} RL step{'s' if self.rl_steps != 1 else ''}"
+            rank_zero_info(
+                f"OnPolicyModule: token budget spent, training stopped: {self.sampled_tokens:,} "
+                f"response tokens sampled (max_sampled_tokens={self.max_sampled_tokens:,}) in "
+                f"{steps}."
+            )
+            self._budget_stopped = False
 
     def _entropy_summary(self) -> dict[str, Tensor]:
         values = {}

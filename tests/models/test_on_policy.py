@@ -1,10 +1,12 @@
 """OnPolicyModule: rollouts, the clipped loss and its aggregations, bad input, and short fits."""
 
+import logging
 import random
 
 import pytest
 import torch
 
+from ada_modules.callbacks import BudgetProgressBar
 from ada_modules.data import EnvTaskDataModule
 from ada_modules.models import OnPolicyModule
 from ada_modules.posttrain.envs import ArithmeticEnv, Episode, KeyDoorEnv, TextEnv
@@ -236,3 +238,39 @@ def test_curve_summary_area_best_and_interpolated_threshold():
     assert summary["tokens_to_threshold"] == pytest.approx(125.0)
     module.curve = [(0, 0.2), (100, 0.3)]  # never reached: censored at the tokens sampled
     assert module.curve_summary()["tokens_to_threshold"] == 100.0
+
+
+def test_the_token_budget_drives_the_progress_bar_and_a_line_says_it_stopped_the_fit(
+    seed, cpu_trainer, capsys
+):
+    module = OnPolicyModule(
+        **TINY, group_size=2, sft_steps=1, max_sampled_tokens=4, eval_tasks=2, eval_samples=1
+    )
+    assert module.progress_budget() == (0, 1, "SFT step")
+    dm = EnvTaskDataModule(LetterEnv(), num_train=64, num_val=16, num_test=16, batch_size=2)
+    bar = BudgetProgressBar()
+    trainer = cpu_trainer(
+        max_epochs=-1,  # 32 batches an epoch: only the token budget ends the fit
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_progress_bar=True,
+        callbacks=[bar],
+    )
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero_log.addHandler(handler)
+    try:
+        trainer.fit(module, dm)
+    finally:
+        rank_zero_log.removeHandler(handler)
+    assert module.sft_done == 1 and module.rl_steps == 1  # 4 one-token episodes: 4 tokens
+    assert module.progress_budget() == (4, 4, "sampled tokens")
+    assert [m for m in messages if "budget" in m] == [
+        "OnPolicyModule: token budget spent, training stopped: 4 response tokens sampled "
+        "(max_sampled_tokens=4) in 1 RL step."
+    ]
+    out = capsys.readouterr().out
+    assert "SFT step 1/1: 100%" in out and "sampled tokens 4/4: 100%" in out
+    assert bar.train_progress_bar.desc == "sampled tokens 4/4"
