@@ -1,13 +1,21 @@
 """The ``ada`` command: Lightning's CLI for every model, datamodule, callback and optimizer here.
 
-``ada fit|validate|test|predict -c CONFIG.yaml`` are LightningCLI's subcommands, with the model and
-the data chosen by class path in YAML (subclass mode), so a user's own LightningModule works as
-well as ours. ``ada sweep SPEC.yaml`` runs a YAML config sweep (see :mod:`ada_modules.sweep`).
+``ada fit|validate|test|predict -c CONFIG.yaml`` are LightningCLI's subcommands (run by
+:class:`~ada_modules.ada_cli.AdaCLI`), with the model and the data chosen by class path in YAML
+(subclass mode), so a user's own LightningModule works as well as ours. ``ada sweep SPEC.yaml``
+runs a YAML config sweep (see :mod:`ada_modules.sweep`).
 
 Optimizers are injected, never auto-configured: a LightningModule of this library takes
 ``optimizer: OptimizerCallable`` (and ``lr_scheduler: LRSchedulerCallable | None``) as init args and
 builds them in ``configure_optimizers``, which runs after ``configure_model`` (so FSDP2 sharding
 sees the real parameters). In YAML they sit under ``model.init_args``.
+
+This module imports neither torch nor Lightning: ``ada --help`` and ``ada --version`` answer
+at once, and Lightning is imported only when a subcommand runs.
+
+A user error (an unknown class path, a wrong type, a bad value found while building or trying
+the components, a YAML syntax error, an :class:`~ada_modules.errors.InputError` raised later in the
+run) is reported as one line on stderr, exit code 2. Anything else is a bug and keeps its traceback.
 
 Example:
     From a shell::
@@ -23,24 +31,16 @@ Example:
 
 from __future__ import annotations
 
-import json
-import math
-import os
+import difflib
+import importlib
 import re
 import sys
-from pathlib import Path
-
-from jsonargparse import ArgumentError
-from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from collections.abc import Sequence
 
 import ada_modules
+from ada_modules.errors import InputError
 
-__all__ = ["AdaCLI", "main"]
-
-
-class _InstantiationError(Exception):
-    """A component rejected its configured arguments while the CLI instantiated it."""
-
+__all__ = ["SUBCOMMANDS", "main", "top_level_help"]
 
 # Subpackages whose classes may be named by their short name in YAML or on the command line
 # (jsonargparse resolves short names among subclasses that are already imported).
@@ -53,69 +53,34 @@ _REGISTERED_PACKAGES = (
     "ada_modules.strategies",
 )
 
+# The subcommands of `ada` and their one-line help; tests/test_cli.py checks that they are the
+# ones the full LightningCLI parser registers.
+SUBCOMMANDS = {
+    "fit": "Train a model (Trainer.fit).",
+    "validate": "Run one evaluation epoch over the validation set.",
+    "test": "Run one evaluation epoch over the test set.",
+    "predict": "Run inference on the predict set.",
+    "sweep": "Run a YAML sweep of configs (variants x seeds); tabulate and plot the metrics.",
+}
 
-class AdaCLI(LightningCLI):
-    """LightningCLI with the ``--metrics_file`` option and the ``sweep`` subcommand in its help.
 
-    ``--metrics_file PATH`` writes the run's final ``trainer.callback_metrics`` as JSON (numbers
-    only) after ``fit``/``validate``/``test``/``predict``; the sweep runner collects results with it.
-    """
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_argument(
-            "--metrics_file",
-            type=str | None,
-            default=None,
-            help="Write the final logged metrics (trainer.callback_metrics) as JSON to this path.",
-        )
-
-    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: object) -> None:
-        super()._add_subcommands(parser, **kwargs)
-        # `sweep` is dispatched by `main` before LightningCLI parses anything; registering its
-        # parser here makes `ada --help` list it beside Lightning's four subcommands.
-        from ada_modules.sweep import build_parser
-
-        sweep_parser = build_parser()
-        parser._subcommands_action.add_subcommand(
-            "sweep", sweep_parser, help=sweep_parser.description
-        )
-
-    def instantiate_classes(self) -> None:
-        try:
-            super().instantiate_classes()
-        except (ValueError, TypeError) as error:
-            # Our components validate their arguments in __init__; a bad value is a user error.
-            # jsonargparse wraps the component's own error: report the innermost one.
-            cause: BaseException = error
-            while isinstance(cause.__cause__ or cause.__context__, (ValueError, TypeError)):
-                cause = cause.__cause__ or cause.__context__
-            raise _InstantiationError(f"{type(cause).__name__}: {cause}") from error
-
-    def _write_metrics(self) -> None:
-        path = self.config[self.subcommand].get("metrics_file")
-        if not path or self.trainer.global_rank != 0:
-            return
-        metrics = {}
-        for name, value in self.trainer.callback_metrics.items():
-            number = float(value)
-            metrics[name] = number if math.isfinite(number) else None
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(metrics, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-
-    def after_fit(self) -> None:
-        self._write_metrics()
-
-    def after_validate(self) -> None:
-        self._write_metrics()
-
-    def after_test(self) -> None:
-        self._write_metrics()
-
-    def after_predict(self) -> None:
-        self._write_metrics()
+def top_level_help() -> str:
+    """The text of ``ada --help`` (built without importing Lightning)."""
+    names = ",".join(SUBCOMMANDS)
+    rows = "\n".join(f"    {name:<10}{text}" for name, text in SUBCOMMANDS.items())
+    return (
+        f"usage: ada [-h] [--version] {{{names}}} ...\n\n"
+        "Lightning components for seventeen adaptive techniques: train, evaluate and sweep from "
+        "YAML.\n\n"
+        "options:\n"
+        "  -h, --help    Show this help message and exit.\n"
+        "  --version     Print version and exit.\n\n"
+        "subcommands (`ada SUBCOMMAND --help` lists a subcommand's options):\n"
+        f"{rows}\n\n"
+        "example:\n"
+        "    ada fit  -c cli_configs/quickstart.yaml\n"
+        "    ada test -c cli_configs/quickstart.yaml --ckpt_path last\n"
+    )
 
 
 _DETAIL_MARKERS = (
@@ -157,19 +122,68 @@ def _one_line(error: BaseException) -> str:
     return f"{'.'.join(keys)}: {detail}" if keys else detail
 
 
-def main(args: ArgsType = None) -> None:
+def _did_you_mean(message: str) -> str:
+    """Append ``did you mean 'X'?`` to a message about a class path that does not resolve."""
+    found = re.search(r"module '([\w.]+)' has no attribute '(\w+)'", message)
+    path = re.search(r"Expected a path but (\w[\w.]*)\.(\w+) either not accessible", message)
+    if not (found or path):
+        return message
+    module_name, attribute = (found or path).groups()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return message
+    candidates = getattr(module, "__all__", None) or [n for n in dir(module) if n[:1].isupper()]
+    close = difflib.get_close_matches(attribute, candidates, n=1, cutoff=0.6)
+    return f"{message}; did you mean '{module_name}.{close[0]}'?" if close else message
+
+
+def _yaml_error(error: BaseException, argv: Sequence[str]) -> str | None:
+    """One line for a YAML syntax error: the file, the line and column, and the parser's reason."""
+    import yaml
+
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, yaml.YAMLError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    where = files[-1] if len(files) == 1 else " or ".join(files) or "the config"
+    mark = getattr(cause, "problem_mark", None)
+    position = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    reason = getattr(cause, "problem", None) or str(cause).splitlines()[0]
+    context = getattr(cause, "context", None)
+    reason = f"{reason} ({context})" if context else reason
+    return f"invalid YAML in {where}{position}: {reason}"
+
+
+def _fail(message: str) -> None:
+    print(f"ada: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(args: Sequence[str] | None = None) -> None:
     """Entry point of the ``ada`` console script.
 
     Args:
         args: Command-line arguments without the program name (``sys.argv[1:]`` when ``None``).
 
     Raises:
-        SystemExit: With code 2 and one line on stderr for a user error (unknown class path, wrong
-            type, missing config file, bad argument value); with the sweep's non-zero return code
-            when a ``sweep`` fails. A successful subcommand returns normally.
+        SystemExit: With code 2 and one line on stderr for a user error (see the module
+            docstring); with the sweep's non-zero return code when a ``sweep`` fails. A
+            successful subcommand returns normally.
     """
-    argv = sys.argv[1:] if args is None else args
-    if isinstance(argv, list) and argv and argv[0] == "sweep":
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv in ([], ["-h"], ["--help"]):
+        print(top_level_help(), end="")
+        if not argv:
+            _fail("expected a subcommand: " + ", ".join(SUBCOMMANDS))
+        return
+    if argv == ["--version"]:
+        print(ada_modules.__version__)
+        return
+    if argv[0] == "sweep":
         from ada_modules.sweep import sweep_main
 
         code = sweep_main(argv[1:])
@@ -177,11 +191,15 @@ def main(args: ArgsType = None) -> None:
             sys.exit(code)
         return
 
-    import importlib
+    from ada_modules.quiet import silence_third_party_noise
+
+    silence_third_party_noise()
+    from jsonargparse import ArgumentError
+
+    from ada_modules.ada_cli import AdaCLI, InstantiationError
 
     for package in _REGISTERED_PACKAGES:
         importlib.import_module(package)
-
     try:
         AdaCLI(
             subclass_mode_model=True,
@@ -189,11 +207,21 @@ def main(args: ArgsType = None) -> None:
             auto_configure_optimizers=False,
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"version": ada_modules.__version__, "exit_on_error": False},
-            args=args,
+            args=None if args is None else argv,
         )
     except ArgumentError as error:
-        print(f"ada: error: {_one_line(error)}", file=sys.stderr)
-        sys.exit(2)
-    except _InstantiationError as error:
-        print(f"ada: error: {_one_line(error)}", file=sys.stderr)
-        sys.exit(2)
+        _fail(_yaml_error(error, argv) or _did_you_mean(_one_line(error)))
+    except InstantiationError as error:
+        reason = _did_you_mean(_one_line(Exception(error.reason)))
+        _fail(f"{error.key}: {reason}" if error.key else reason)
+    except InputError as error:
+        _fail(str(error))
+
+
+def __getattr__(name: str) -> object:
+    # `from ada_modules.cli import AdaCLI` keeps working without making `ada --help` import it.
+    if name == "AdaCLI":
+        from ada_modules.ada_cli import AdaCLI
+
+        return AdaCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -90,7 +90,7 @@ def test_invalid_value_rejected_at_instantiation_is_one_line(capsys):
         ["fit", "-c", str(QUICKSTART), *TINY, "--data.init_args.batch_size=0"], capsys
     )
     assert code == 2
-    assert err == "ada: error: ValueError: batch_size must be an integer >= 1, got 0\n"
+    assert err == "ada: error: batch_size must be an integer >= 1, got 0\n"
     assert err.count("\n") == 1
 
 
@@ -128,3 +128,53 @@ def test_library_classes_resolve_by_short_name(capsys):
     assert "class_path: ada_modules.models.CausalLMModule" in out
     assert "class_path: ada_modules.optim.WarmupCosineLR" in out
     assert "class_path: ada_modules.data.ArithmeticDataModule" in out
+
+
+def test_top_level_help_lists_the_subcommands_the_full_parser_registers(capsys):
+    from ada_modules.ada_cli import AdaCLI
+    from ada_modules.cli import SUBCOMMANDS, top_level_help
+
+    main(["--help"])
+    assert capsys.readouterr().out == top_level_help()
+    with pytest.raises(SystemExit):
+        AdaCLI(subclass_mode_model=True, subclass_mode_data=True, args=["--help"])
+    full_help = capsys.readouterr().out
+    registered = full_help.split("{", 1)[1].split("}", 1)[0].split(",")
+    assert registered == list(SUBCOMMANDS)
+
+
+def test_help_and_version_do_not_import_torch_or_lightning():
+    code = (
+        "import sys, contextlib, io\n"
+        "from ada_modules.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['--help']); main(['--version'])\n"
+        "print(sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_input_error_raised_during_the_run_is_one_line(monkeypatch, capsys):
+    from ada_modules.errors import InputError
+    from ada_modules.models import CausalLMModule
+
+    def bad_step(self, batch, batch_idx):
+        raise InputError("window must be >= 1, got 0")
+
+    monkeypatch.setattr(CausalLMModule, "training_step", bad_step)
+    code, _, err = _run_main(["fit", "-c", str(QUICKSTART), *TINY], capsys)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == "ada: error: window must be >= 1, got 0"
+    assert "Traceback" not in err
+
+
+def test_a_bug_during_the_run_keeps_its_traceback(monkeypatch):
+    from ada_modules.models import CausalLMModule
+
+    def buggy_step(self, batch, batch_idx):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(CausalLMModule, "training_step", buggy_step)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["fit", "-c", str(QUICKSTART), *TINY])

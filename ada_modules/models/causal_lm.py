@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from ada_modules.data.tokenizer import CharTokenizer
+from ada_modules.errors import InputError
 from ada_modules.kv.memory import cache_nbytes
 from ada_modules.optim.chain import OptimizerChain
 from ada_modules.optim.param_groups import (
@@ -195,14 +196,14 @@ class CausalLMModule(LightningModule):
     ) -> None:
         super().__init__()
         if param_groups not in ("weight_decay", "geometry"):
-            raise ValueError(
+            raise InputError(
                 f"param_groups must be 'weight_decay' or 'geometry', got {param_groups!r}"
             )
         if radii is not None and param_groups != "geometry":
-            raise ValueError("radii needs param_groups='geometry'")
+            raise InputError("radii needs param_groups='geometry'")
         check_radii(radii)
         if architecture not in ARCHITECTURES:
-            raise ValueError(
+            raise InputError(
                 f"architecture must be one of {sorted(ARCHITECTURES)}, got {architecture!r}"
             )
         for name, value in (
@@ -215,13 +216,13 @@ class CausalLMModule(LightningModule):
             ("max_new_tokens", max_new_tokens),
         ):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
         if hidden_size % num_heads:
-            raise ValueError(
+            raise InputError(
                 f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}"
             )
         if num_heads % num_kv_heads:
-            raise ValueError(
+            raise InputError(
                 f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}"
             )
         # Callables are not stored: checkpoints stay loadable with ``weights_only=True``; pass them
@@ -264,7 +265,7 @@ class CausalLMModule(LightningModule):
         self.max_new_tokens = max_new_tokens
         reserved = {"input_ids", "attention_mask", "max_new_tokens", "cache", "do_sample"}
         if generation_kwargs and reserved & set(generation_kwargs):
-            raise ValueError(
+            raise InputError(
                 f"generation_kwargs may not set {sorted(reserved & set(generation_kwargs))}: "
                 "the module sets them"
             )
@@ -323,7 +324,7 @@ class CausalLMModule(LightningModule):
         for row in output.sequences[:, prompt_ids.shape[1] :].tolist():
             end = row.index(self.tokenizer.eos_id) + 1 if self.tokenizer.eos_id in row else len(row)
             completions.append(row[:end])
-        return Generation(completions, elapsed, output.past_key_values)
+        return Generation(completions, elapsed, output.cache)
 
     def setup(self, stage: str) -> None:
         # Per-hop accuracies exist from the start (same metrics on every rank) when the

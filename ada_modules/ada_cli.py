@@ -1,0 +1,199 @@
+"""``AdaCLI``: the LightningCLI behind the ``ada`` command.
+
+It adds ``--metrics_file``, lists ``sweep`` in ``ada --help``, tries the configured optimizer,
+scheduler and cache factory once on a dummy when the config is read (so a bad value is reported
+before training, naming its key), gives every run a progress bar that counts towards the real
+budget, and after ``ada fit`` draws the training curves and prints a short summary.
+The ``ada`` console script itself (:func:`ada_modules.cli.main`) imports this module only when a
+subcommand runs, so that ``ada --help`` stays fast.
+
+Example::
+
+    from ada_modules.ada_cli import AdaCLI
+
+    AdaCLI(subclass_mode_model=True, subclass_mode_data=True, auto_configure_optimizers=False,
+           args=["fit", "-c", "cli_configs/quickstart.yaml", "--trainer.max_steps=10"])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from ada_modules.callbacks import BudgetProgressBar, TrainingCurves, fit_summary
+from ada_modules.errors import InputError
+
+__all__ = ["AdaCLI", "InstantiationError"]
+
+# Model init args holding factories that can be tried on a dummy before anything runs.
+_OPTIMIZER_ARGS = ("optimizer", "aux_optimizer")
+_SCHEDULER_ARGS = ("lr_scheduler",)
+_CACHE_ARGS = ("cache_factory",)
+
+
+class InstantiationError(Exception):
+    """A component rejected its configured value while the CLI built or tried it.
+
+    ``key`` is the config key (``model.optimizer``), ``reason`` the component's own message.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"{key}: {reason}" if key else reason)
+        self.key = key
+        self.reason = reason
+
+
+def _innermost(error: BaseException) -> BaseException:
+    """The deepest ValueError/TypeError in ``error``'s cause chain (jsonargparse wraps them)."""
+    while isinstance(error.__cause__ or error.__context__, (ValueError, TypeError)):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def _reason(error: BaseException) -> str:
+    """The message of one of our InputErrors as is; any other error prefixed with its type."""
+    return str(error) if isinstance(error, InputError) else f"{type(error).__name__}: {error}"
+
+
+def try_factories(model: object, class_paths: dict[str, str] | None = None) -> None:
+    """Build the model's optimizer, scheduler and cache factories once on a dummy.
+
+    A factory that rejects its configured values (torch's ``AdamW(lr=-1)``, a KV cache whose
+    group size does not divide the head dimension) raises :class:`InstantiationError` naming the
+    init arg, before any data is loaded or step taken. Factories that are not set are skipped.
+    ``class_paths`` (init arg -> configured class path) only makes the message more precise.
+    """
+    class_paths = class_paths or {}
+    dummy = torch.nn.Parameter(torch.zeros(8, 8))
+    optimizer = None
+    for name in _OPTIMIZER_ARGS:
+        factory = getattr(model, name, None)
+        if callable(factory):
+            built = _call(name, class_paths.get(name), factory, [dummy])
+            optimizer = optimizer or built
+    for name in _SCHEDULER_ARGS:
+        factory = getattr(model, name, None)
+        if callable(factory) and optimizer is not None:
+            _call(name, class_paths.get(name), factory, optimizer)
+    config = getattr(getattr(model, "model", None), "config", None)
+    for name in _CACHE_ARGS:
+        factory = getattr(model, name, None)
+        if callable(factory) and config is not None:
+            _call(name, class_paths.get(name), factory, config=config)
+
+
+def _call(
+    name: str, class_path: str | None, factory: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    try:
+        return factory(*args, **kwargs)
+    except (ValueError, TypeError) as error:
+        cause = _innermost(error)
+        what = f"{class_path} rejected its arguments: " if class_path else ""
+        raise InstantiationError(f"model.{name}", f"{what}{_reason(cause)}") from error
+
+
+class AdaCLI(LightningCLI):
+    """LightningCLI with ``--metrics_file``, ``sweep`` in its help, early checks and a summary.
+
+    - ``--metrics_file PATH`` writes the run's final ``trainer.callback_metrics`` as JSON (numbers
+      only) after ``fit``/``validate``/``test``/``predict``; the sweep runner collects results
+      with it.
+    - The model's ``optimizer``, ``lr_scheduler`` and ``cache_factory`` are tried once on a dummy
+      after instantiation (see :func:`try_factories`).
+    - Unless the config sets its own, the Trainer gets a
+      :class:`~ada_modules.callbacks.BudgetProgressBar` and, for ``fit``, a
+      :class:`~ada_modules.callbacks.TrainingCurves` callback; after ``fit`` rank zero prints
+      :func:`~ada_modules.callbacks.fit_summary`.
+    """
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--metrics_file",
+            type=str | None,
+            default=None,
+            help="Write the final logged metrics (trainer.callback_metrics) as JSON to this path.",
+        )
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: object) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        # `sweep` is dispatched by `main` before LightningCLI parses anything; registering its
+        # parser here makes the full help list it beside Lightning's four subcommands.
+        from ada_modules.sweep import build_parser
+
+        sweep_parser = build_parser()
+        parser._subcommands_action.add_subcommand(
+            "sweep", sweep_parser, help=sweep_parser.description
+        )
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            # Our components validate their arguments in __init__; a bad value is a user error.
+            # jsonargparse wraps the component's own error: report the innermost one.
+            raise InstantiationError("", _reason(_innermost(error))) from error
+
+    def _factory_class_paths(self) -> dict[str, str]:
+        model_config = self._get(self.config, "model", default=None)
+        init_args = getattr(model_config, "init_args", None) or {}
+        paths = {}
+        for name in (*_OPTIMIZER_ARGS, *_SCHEDULER_ARGS, *_CACHE_ARGS):
+            value = init_args.get(name) if hasattr(init_args, "get") else None
+            class_path = getattr(value, "class_path", None) or (
+                value.get("class_path") if isinstance(value, dict) else None
+            )
+            if class_path:
+                paths[name] = class_path
+        return paths
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        # Runs after the model is built and before the Trainer is: try its factories first.
+        try_factories(self.model, self._factory_class_paths())
+        config = self._get(self.config_init, "trainer", default={})
+        given = config.get("callbacks") or []
+        given = list(given) if isinstance(given, list) else [given]
+        extra = []
+        wants_bar = config.get("enable_progress_bar") is not False
+        if wants_bar and not any(isinstance(c, ProgressBar) for c in given):
+            extra.append(BudgetProgressBar())
+        if self.subcommand == "fit" and not any(isinstance(c, TrainingCurves) for c in given):
+            extra.append(TrainingCurves())
+        return super().instantiate_trainer(**{"callbacks": given + extra, **kwargs})
+
+    def _write_metrics(self) -> None:
+        path = self.config[self.subcommand].get("metrics_file")
+        if not path or self.trainer.global_rank != 0:
+            return
+        metrics = {}
+        for name, value in self.trainer.callback_metrics.items():
+            number = float(value)
+            metrics[name] = number if math.isfinite(number) else None
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(metrics, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+
+    def after_fit(self) -> None:
+        self._write_metrics()
+        if self.trainer.is_global_zero:
+            print(fit_summary(self.trainer), flush=True)
+
+    def after_validate(self) -> None:
+        self._write_metrics()
+
+    def after_test(self) -> None:
+        self._write_metrics()
+
+    def after_predict(self) -> None:
+        self._write_metrics()

@@ -1,0 +1,326 @@
+"""The bad-input catalogue (docs/bad-input.md): each bad input, the message it gets, the outcome.
+
+Every row is run here: a CLI case through ``ada`` in-process (one line on stderr, exit code 2), a
+Python case by calling the component (it raises ``InputError``, or warns). The page is generated
+from these results, so it stays true: when a message changes, this test fails until the page is
+regenerated with ``ADA_WRITE_DOCS=1 pytest tests/test_bad_input_catalogue.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from transformers import LlamaConfig
+
+from ada_modules.callbacks import TrainingCurves
+from ada_modules.cli import main
+from ada_modules.data import ArithmeticDataModule, RecallDataModule
+from ada_modules.errors import InputError
+from ada_modules.kv import AADAccumulator, AdaKVQCache, KIVICache
+from ada_modules.models import CausalLMModule
+from ada_modules.nn import wrap_timm
+from ada_modules.optim import AcceleGradSharp, Scion
+from ada_modules.strategies import AdERAStrategy
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "docs" / "bad-input.md"
+QUICKSTART = "cli_configs/quickstart.yaml"
+TINY = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.callbacks=[]"]
+
+
+@dataclass(frozen=True)
+class Case:
+    area: str
+    given: str  # what the user wrote, as shown on the page
+    run: Callable[[Path], tuple[str, str]]  # -> (message, outcome)
+
+
+def _cli(args: list[str]) -> Callable[[Path], tuple[str, str]]:
+    def run(tmp: Path) -> tuple[str, str]:
+        import contextlib
+        import io
+
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            with pytest.raises(SystemExit) as exit_info:
+                main([a.replace("{tmp}", str(tmp)) for a in args])
+        lines = [
+            line
+            for line in stderr.getvalue().splitlines()
+            if line.startswith(("ada:", "ada sweep:"))
+        ]
+        assert len(lines) == 1, stderr.getvalue()
+        assert "Traceback" not in stderr.getvalue()
+        return lines[0].replace(str(tmp), "TMP"), f"exit {exit_info.value.code}"
+
+    return run
+
+
+def _raises(build: Callable[[Path], object]) -> Callable[[Path], tuple[str, str]]:
+    def run(tmp: Path) -> tuple[str, str]:
+        with pytest.raises(InputError) as error:
+            build(tmp)
+        return str(error.value).replace(str(tmp), "TMP"), "raises InputError"
+
+    return run
+
+
+def _warns(build: Callable[[Path], object]) -> Callable[[Path], tuple[str, str]]:
+    def run(tmp: Path) -> tuple[str, str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build(tmp)
+        ours = [w for w in caught if issubclass(w.category, UserWarning)]
+        assert ours, [str(w.message) for w in caught]
+        return str(ours[0].message), f"warns {ours[0].category.__name__}"
+
+    return run
+
+
+def _write(tmp: Path, name: str, text: str) -> Path:
+    path = tmp / name
+    path.write_text(text)
+    return path
+
+
+def _param() -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.zeros(2, 2))
+
+
+def _tiny_llama_config() -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=64, vocab_size=64,
+    )  # fmt: skip
+
+
+def _nan_profile(tmp: Path) -> Path:
+    accumulator = AADAccumulator()
+    attention = torch.full((1, 2, 8, 8), 1.0).tril().softmax(-1)
+    accumulator.update([attention, attention])
+    data = accumulator.compute().to_dict()
+    data["naad"][0][0][1] = float("nan")
+    return _write(tmp, "profile.json", json.dumps(data))
+
+
+def _sweep_spec(tmp: Path, text: str) -> Path:
+    return _write(tmp, "spec.yaml", text)
+
+
+CASES = [
+    Case("CLI", "`ada` (no subcommand)", _cli([])),
+    Case("CLI", "`ada fit -c missing.yaml`", _cli(["fit", "-c", "{tmp}/missing.yaml"])),
+    Case(
+        "CLI",
+        "`ada fit -c bad.yaml`, a YAML syntax error (`max_steps: [1,`)",
+        lambda tmp: _cli(
+            ["fit", "-c", str(_write(tmp, "bad.yaml", "trainer:\n  max_steps: [1,\n"))]
+        )(tmp),
+    ),
+    Case(
+        "config",
+        "`model.class_path: ada_modules.models.CausalLMModul` (misspelled)",
+        _cli(["fit", "-c", QUICKSTART, "--model=ada_modules.models.CausalLMModul"]),
+    ),
+    Case(
+        "config",
+        "`optimizer.class_path: torch.optim.AdamX` (misspelled)",
+        _cli(["fit", "-c", QUICKSTART, "--model.init_args.optimizer=torch.optim.AdamX"]),
+    ),
+    Case(
+        "config",
+        "`--trainer.max_steps abc`",
+        _cli(["fit", "-c", QUICKSTART, "--trainer.max_steps=abc"]),
+    ),
+    Case(
+        "config",
+        "`--model.init_args.hiden_size 32` (unknown key)",
+        _cli(["fit", "-c", QUICKSTART, "--model.init_args.hiden_size=32"]),
+    ),
+    Case(
+        "config",
+        "`--data.init_args.batch_size 0`",
+        _cli(["fit", "-c", QUICKSTART, *TINY, "--data.init_args.batch_size=0"]),
+    ),
+    Case(
+        "optimizers",
+        "AdamW `lr: -0.003` in a config",
+        _cli(["fit", "-c", QUICKSTART, *TINY, "--model.init_args.optimizer.init_args.lr=-0.003"]),
+    ),
+    Case(
+        "optimizers",
+        "AcceleGrad# `lr: -1` in a config",
+        _cli(
+            [
+                "fit",
+                "-c",
+                QUICKSTART,
+                *TINY,
+                "--model.init_args.optimizer=ada_modules.optim.AcceleGradSharp",
+                "--model.init_args.optimizer.init_args.lr=-1",
+            ]
+        ),  # fmt: skip
+    ),
+    Case(
+        "optimizers",
+        "`WarmupCosineLR(warmup_steps=3000, total_steps=2000)` in a config",
+        _cli(
+            [
+                "fit",
+                "-c",
+                QUICKSTART,
+                *TINY,
+                "--model.init_args.lr_scheduler.init_args.warmup_steps=3000",
+            ]
+        ),  # fmt: skip
+    ),
+    Case(
+        "caches",
+        "`cache_factory: KIVICache` with `value_group_size: 32` (head dim 16) in a config",
+        _cli(
+            [
+                "test",
+                "-c",
+                QUICKSTART,
+                *TINY,
+                "--model.init_args.cache_factory=ada_modules.kv.KIVICache",
+                "--model.init_args.cache_factory.init_args.value_group_size=32",
+            ]
+        ),  # fmt: skip
+    ),
+    # fmt: off
+    Case(
+        "caches",
+        "`KIVICache(config, key_bits=2.0)`",
+        _raises(lambda tmp: KIVICache(_tiny_llama_config(), key_bits=2.0)),
+    ),
+    Case(
+        "caches",
+        "`KIVICache(config, key_bits=5)`",
+        _raises(lambda tmp: KIVICache(_tiny_llama_config(), key_bits=5)),
+    ),
+    Case(
+        "caches",
+        "`KIVICache(config, value_group_size=0)`",
+        _raises(lambda tmp: KIVICache(_tiny_llama_config(), value_group_size=0)),
+    ),
+    Case(
+        "caches",
+        "`AdaKVQCache(config, profile=..., budget=3.0)`, a profile JSON with NaN in `naad`",
+        _raises(
+            lambda tmp: AdaKVQCache(
+                _tiny_llama_config(), profile=str(_nan_profile(tmp)), budget=3.0
+            )
+        ),
+    ),
+    Case(
+        "optimizers",
+        "`AcceleGradSharp(params, lr=-1.0)`",
+        _raises(lambda tmp: AcceleGradSharp([_param()], lr=-1.0)),
+    ),
+    Case("optimizers", "`Scion(params, lr=0)`", _raises(lambda tmp: Scion([_param()], lr=0))),
+    Case(
+        "strategies",
+        '`AdERAStrategy(impl="cuda")`',
+        _raises(lambda tmp: AdERAStrategy(impl="cuda")),
+    ),
+    Case(
+        "strategies",
+        '`AdERAStrategy(mode="sometimes")`',
+        _raises(lambda tmp: AdERAStrategy(mode="sometimes")),
+    ),
+    Case(
+        "models",
+        '`CausalLMModule(architecture="gpt5")`',
+        _raises(lambda tmp: CausalLMModule(architecture="gpt5")),
+    ),
+    Case(
+        "data",
+        "`ArithmeticDataModule(min_digits=3, max_digits=1)`",
+        _raises(lambda tmp: ArithmeticDataModule(min_digits=3, max_digits=1)),
+    ),
+    Case(
+        "data",
+        "`RecallDataModule(num_pairs=0)`",
+        _raises(lambda tmp: RecallDataModule(num_pairs=0)),
+    ),
+    Case(
+        "wrappers",
+        '`wrap_timm(timm.create_model("resnet18"), mode="source")`',
+        _warns(lambda tmp: wrap_timm(timm.create_model("resnet18", num_classes=2), mode="source")),
+    ),
+    Case(
+        "callbacks",
+        "`TrainingCurves(every_n_steps=0)`",
+        _raises(lambda tmp: TrainingCurves(every_n_steps=0)),
+    ),
+    # fmt: on
+    Case("sweeps", "`ada sweep missing.yaml`", _cli(["sweep", "{tmp}/missing.yaml"])),
+    Case(
+        "sweeps",
+        "a sweep spec with `seed: [0, 1]` (misspelled `seeds`)",
+        lambda tmp: _cli(
+            [
+                "sweep",
+                str(
+                    _sweep_spec(
+                        tmp, f"base: {REPO / QUICKSTART}\nseed: [0, 1]\nvariants: {{a: {{}}}}\n"
+                    )
+                ),
+                "--dry-run",
+            ]
+        )(tmp),
+    ),
+]
+
+
+def _table(rows: list[tuple[Case, str, str]]) -> str:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = [
+        "# Bad input: what you get",
+        "",
+        "Each row is run by `tests/test_bad_input_catalogue.py`, which generated this page; a",
+        "message that changes fails that test until the page is regenerated",
+        "(`ADA_WRITE_DOCS=1 pytest tests/test_bad_input_catalogue.py`). From the `ada` command a",
+        "user error is one line on stderr and exit code 2; from Python the components raise",
+        "`ada_modules.errors.InputError` (a `ValueError` and `TypeError` subclass). A bug keeps its",
+        "traceback. `TMP` stands for the folder the test wrote its files to.",
+        "",
+        "| area | input | message | outcome |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {case.area} | {cell(case.given)} | `{cell(message)}` | {outcome} |"
+        for case, message, outcome in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_catalogue_page_is_what_the_cases_produce(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    rows = []
+    for index, case in enumerate(CASES):
+        folder = tmp_path / str(index)
+        folder.mkdir()
+        try:
+            message, outcome = case.run(folder)
+        except BaseException as error:
+            raise AssertionError(f"case {case.given!r}: {error}") from error
+        assert message and "\n" not in message, case.given
+        rows.append((case, message, outcome))
+    assert len(rows) >= 25
+    assert len({case.area for case in CASES}) >= 8
+    page = _table(rows)
+    if os.environ.get("ADA_WRITE_DOCS") == "1":
+        PAGE.write_text(page)
+    assert PAGE.read_text() == page, "regenerate with ADA_WRITE_DOCS=1 (see the module docstring)"
