@@ -28,16 +28,37 @@ Memory: the routed sums are accumulated term by term (``addcmul`` with scalar or
 coefficients), never by stacking the states, so the only activations kept are the states
 themselves, which the blocks' backward needs anyway. ``export_hard()`` keeps the strongest source
 per layer: one extra addition per re-routed layer and only the states that some layer reads.
+
+Gradient checkpointing: the states of each forward pass are indexed by block position. Without
+checkpointing the router drops them when the pass ends. When the blocks run inside non-reentrant
+checkpoints (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, the default of
+timm, diffusers and transformers), a checkpoint recomputes its blocks during the backward pass,
+after the pass has ended: the router then keeps detached aliases of the states that some layer
+reads (tensors the checkpoints mostly keep anyway, as their inputs) for as long as the
+checkpoints hold the inputs of the pass's blocks, i.e. until the backward pass or until the
+graph is freed without one. A recomputed block finds its pass by its input tensor (the one its
+checkpoint saved), reads the same states and the same temperature as in the forward pass and
+records nothing, so gradients equal those without checkpointing, also with several forward
+passes before one backward pass, a retained graph, or checkpoints of several blocks. Reentrant
+checkpointing (``use_reentrant=True``) runs the forward pass without autograd, so the learned
+shortcuts would get no gradient: the recomputation raises an error instead. One case is not
+exact: with an annealed temperature, several forward passes before one backward pass, and a
+checkpoint that starts before the stack (so that it does not save the stack's input), the first
+blocks are recomputed at the current temperature.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from ada_modules.errors import InputError
 
 __all__ = [
     "MODES",
@@ -58,8 +79,8 @@ _INPUT_MODES = ("input", "denseformer")
 class ConnectivityRouter(nn.Module):
     """The learned connectivity of a stack of ``num_layers`` blocks (see the module docstring).
 
-    The router owns the coefficients and, during a forward pass, the list of states; the
-    :class:`RoutedBlock` wrappers call it. Coefficients are stored as flat 1-D parameters
+    The router owns the coefficients and the states of the forward passes (see the module
+    docstring for gradient checkpointing); the :class:`RoutedBlock` wrappers call it. Coefficients are stored as flat 1-D parameters
     (``logits`` and ``gate`` for the softmax modes, ``weights`` for ``"denseformer"``, ``alpha``
     for ``"rezero"``), so optimizers that decay only matrices leave them alone;
     :meth:`no_weight_decay` names them for the others.
@@ -121,26 +142,26 @@ class ConnectivityRouter(nn.Module):
     ) -> None:
         super().__init__()
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+            raise InputError(f"num_layers must be a positive integer, got {num_layers!r}")
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+            raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         for name, value in (("temperature", temperature), ("final_temperature", final_temperature)):
             if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise ValueError(f"{name} must be > 0, got {value!r}")
+                raise InputError(f"{name} must be > 0, got {value!r}")
         if isinstance(anneal_steps, bool) or not isinstance(anneal_steps, int) or anneal_steps < 0:
-            raise ValueError(f"anneal_steps must be an integer >= 0, got {anneal_steps!r}")
+            raise InputError(f"anneal_steps must be an integer >= 0, got {anneal_steps!r}")
         if final_temperature is not None and anneal_steps < 1:
-            raise ValueError(f"final_temperature needs anneal_steps >= 1, got {anneal_steps!r}")
+            raise InputError(f"final_temperature needs anneal_steps >= 1, got {anneal_steps!r}")
         if isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1:
-            raise ValueError(f"dilation must be an integer >= 1, got {dilation!r}")
+            raise InputError(f"dilation must be an integer >= 1, got {dilation!r}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-            raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+            raise InputError(f"top_k must be None or an integer >= 1, got {top_k!r}")
         if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
+            raise InputError(f"top_k must be None or an integer >= 1, got {top_k!r}")
         if isinstance(lr_scale, bool) or not isinstance(lr_scale, int | float) or lr_scale <= 0:
-            raise ValueError(f"lr_scale must be > 0, got {lr_scale!r}")
+            raise InputError(f"lr_scale must be > 0, got {lr_scale!r}")
         if per_channel and (not isinstance(num_channels, int) or num_channels < 1):
-            raise ValueError(
+            raise InputError(
                 f"per_channel=True needs num_channels >= 1, got num_channels={num_channels!r}"
             )
         self.num_layers = num_layers
@@ -185,8 +206,7 @@ class ConnectivityRouter(nn.Module):
         elif mode == "rezero":
             self.alpha = nn.Parameter(torch.zeros(num_layers * width))
         self._width = width
-        self._states: list[torch.Tensor | None] = []
-        self._keep: set[int] = set()
+        self._passes = _PassStore()
 
     # Coefficients ---------------------------------------------------------------------------
 
@@ -206,16 +226,20 @@ class ConnectivityRouter(nn.Module):
         n = len(self._rows[r])
         return self._coefficients(name)[self._offsets[r] : self._offsets[r] + n]
 
-    def _row_weights(self, r: int) -> tuple[list[int], torch.Tensor]:
+    def _row_weights(
+        self, r: int, temperature: float | None = None
+    ) -> tuple[list[int], torch.Tensor]:
         """Sources of row ``r`` and their coefficients ``(n, width)`` in the row's sum.
 
         Softmax modes: the coefficients of the correction ``sum_j w_j x_j`` added to ``x_r``
         (``w = g (a - e_r)``). ``"denseformer"``: the weights of the mixture itself.
+        ``temperature`` defaults to :meth:`current_temperature`.
         """
         sources = self._rows[r]
         if self.mode == "denseformer":
             return sources, self._row_param("weights", r)
-        logits = self._row_param("logits", r) / self.current_temperature()
+        tau = self.current_temperature() if temperature is None else temperature
+        logits = self._row_param("logits", r) / tau
         used = list(range(len(sources)))
         if self.top_k is not None and len(sources) > self.top_k:
             # The selection is one small host sync per layer; only the selected sources and the
@@ -294,7 +318,7 @@ class ConnectivityRouter(nn.Module):
         if self.mode == "residual" or self.hard:
             return self
         if self.mode not in _SOFTMAX_MODES:
-            raise ValueError(f"export_hard() needs mode 'source' or 'input', got {self.mode!r}")
+            raise InputError(f"export_hard() needs mode 'source' or 'input', got {self.mode!r}")
         matrix = self.connectivity()
         sources = torch.arange(matrix.shape[0])
         for r in self._rows:
@@ -321,35 +345,89 @@ class ConnectivityRouter(nn.Module):
             total = torch.addcmul(total, state, c.view(shape))
         return total
 
-    def _state(self, j: int) -> torch.Tensor:
-        state = self._states[j]
+    def _state(self, p: _Pass, j: int) -> torch.Tensor:
+        state = p.states[j]
         if state is None:
             raise RuntimeError(f"state x_{j} was not kept; this is a bug in ConnectivityRouter")
         return state
 
-    def _routed(self, r: int, current: torch.Tensor) -> torch.Tensor:
+    def _routed(self, p: _Pass, r: int, current: torch.Tensor) -> torch.Tensor:
         """The routed combination of row ``r`` given the current state ``x_r``."""
         if self.hard:
             s = self._sources()[r]
-            return current if s == r else self._state(s)
+            return current if s == r else self._state(p, s)
         if self.mode == "denseformer":
-            return self._correction(r, current)
-        return current + self._correction(r, current)
+            return self._correction(p, r, current)
+        return current + self._correction(p, r, current)
 
-    def begin(self, x: torch.Tensor) -> None:
-        """Start a forward pass with stack input ``x`` (called by the first block)."""
+    def _stored_states(self) -> set[int]:
+        """The states ``x_j`` that some row reads besides its own current state."""
+        if self.hard:
+            return {s for r, s in self._sources().items() if s != r}
+        return {j for r, sources in self._rows.items() for j in sources if j != r}
+
+    def enter(self, index: int, x: torch.Tensor) -> _Pass:
+        """The forward pass that block ``index`` runs in, given its input ``x``.
+
+        Block 0 starts a new pass. During a backward pass (a gradient checkpoint recomputing
+        blocks), block 0 starts a pass too, with the temperature of the pass it first ran in; a
+        later block gets the kept pass it ran in, found by its input (the tensor the checkpoint
+        saved), or continues the recomputation of the block before it in the same checkpoint.
+        """
+        store = self._passes
+        if torch.compiler.is_compiling():  # compiled checkpoints recompute in the graph
+            if index == 0:
+                return self._begin(x)
+            if store.current is None:
+                raise RuntimeError(f"routed block {index} ran before block 0 of its stack")
+            return store.current
+        if _in_backward():
+            if index == 0:
+                kept = store.find(0, x)
+                tau = self.current_temperature() if kept is None else kept.temperature
+                p = _Pass(self.num_layers, x, tau, self._stored_states())
+            else:
+                p = store.find(index, x) or store.continued(index)
+                if p is None and self._stored_states():
+                    raise RuntimeError(
+                        f"routed block {index} is recomputed during the backward pass but the "
+                        "states of its forward pass were not kept. Reentrant gradient "
+                        "checkpointing (use_reentrant=True) runs the forward pass without "
+                        "autograd, so the learned shortcuts could not get gradients: use "
+                        "use_reentrant=False (the default of timm, diffusers and transformers; "
+                        "timm: unset TIMM_REENTRANT_CKPT)"
+                    )
+                if p is None:  # this layout reads no stored state
+                    p = _Pass(self.num_layers, None, self.current_temperature(), set())
+            store.chain(p, index)
+            return p
+        if index == 0:
+            p = self._begin(x)
+        elif store.current is None:
+            raise RuntimeError(f"routed block {index} ran before block 0 of its stack")
+        else:
+            p = store.current
+        p.inputs[index] = weakref.ref(x)
+        if not p.checkpointed and torch.is_grad_enabled() and _saved_tensors_hooked():
+            p.checkpointed = True
+        return p
+
+    def _begin(self, x: torch.Tensor) -> _Pass:
+        """Start a forward pass with stack input ``x``."""
         if self.training and self.final_temperature is not None and torch.is_grad_enabled():
             self.step += 1
-        self._keep = set(self._sources().values()) if self.hard else set()
-        self._states = [x]
+        stored = self._stored_states()
+        p = _Pass(self.num_layers, x, self.current_temperature(), stored)
+        self._passes.current = p
+        return p
 
-    def block_input(self, index: int, x: torch.Tensor) -> torch.Tensor:
+    def block_input(self, p: _Pass, index: int, x: torch.Tensor) -> torch.Tensor:
         """The input of block ``index`` given the previous block's output ``x``."""
         if self.mode in _INPUT_MODES and index in self._rows:
-            return self._routed(index, x)
+            return self._routed(p, index, x)
         return x
 
-    def block_output(self, index: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def block_output(self, p: _Pass, index: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Block ``index``'s routed output, from its input ``x`` and its raw output ``y``."""
         if self.mode == "rezero":
             alpha = self._coefficients("alpha")[index]
@@ -363,25 +441,169 @@ class ConnectivityRouter(nn.Module):
         if self.mode == "source" and index in self._rows:
             if self.hard:
                 s = self._sources()[index]
-                return y if s == index else y + (self._state(s) - x)
-            return y + self._correction(index, x)
+                return y if s == index else y + (self._state(p, s) - x)
+            return y + self._correction(p, index, x)
         return y
 
-    def _correction(self, r: int, current: torch.Tensor) -> torch.Tensor:
+    def _correction(self, p: _Pass, r: int, current: torch.Tensor) -> torch.Tensor:
         """``sum_j w_j x_j`` over row ``r``'s sources (``"denseformer"``: the mixture itself)."""
-        sources, coeffs = self._row_weights(r)
-        states = [current if j == r else self._state(j) for j in sources]
+        sources, coeffs = self._row_weights(r, p.temperature)
+        states = [current if j == r else self._state(p, j) for j in sources]
         return self._weighted_sum(states, coeffs, current)
 
-    def record(self, index: int, y: torch.Tensor) -> torch.Tensor:
-        """Store block ``index``'s output; after the last block, return the stack output."""
-        keep = not self.hard or (index + 1) in self._keep
-        self._states.append(y if keep else None)
+    def record(self, p: _Pass, index: int, y: torch.Tensor) -> torch.Tensor:
+        """Store block ``index``'s output; after the last block, return the stack output.
+
+        A recomputed block stores nothing. After the last block the pass ends: its states are
+        dropped, or kept for the recomputation if its blocks ran inside gradient checkpoints.
+        """
+        if not p.done and index + 1 in p.stored:
+            p.states[index + 1] = y
         if index < self.num_layers - 1:
             return y
-        out = self._routed(self.num_layers, y) if self.num_layers in self._rows else y
-        self._states = []
+        out = self._routed(p, self.num_layers, y) if self.num_layers in self._rows else y
+        if not p.done:
+            self._passes.finish(p)
         return out
+
+
+class _Pass:
+    """The states ``x_0..x_K`` of one forward pass through a routed stack, by block position.
+
+    ``states[j]`` is ``x_j`` if some row reads it (``stored``), else ``None``; ``inputs[i]`` a weak
+    reference to the tensor block ``i`` received; ``temperature`` the softmax temperature of the
+    pass (a recomputation uses the same one); ``checkpointed`` whether a block ran under
+    saved-tensor hooks (gradient checkpointing); ``done`` whether the pass is finished (a
+    recomputed block then reads its states and records nothing).
+    """
+
+    __slots__ = ("checkpointed", "done", "inputs", "states", "stored", "temperature", "watch")
+
+    def __init__(
+        self, num_layers: int, x: torch.Tensor | None, temperature: float, stored: set[int]
+    ) -> None:
+        self.states: list[torch.Tensor | None] = [x if 0 in stored else None]
+        self.states += [None] * num_layers
+        self.inputs: list[weakref.ref[torch.Tensor] | None] = [None] * num_layers
+        self.temperature = temperature
+        self.stored = stored
+        self.checkpointed = False
+        self.done = False
+        self.watch: list[weakref.ref[torch.Tensor]] = []
+
+
+class _PassStore:
+    """A router's passes: the one in progress, those kept for checkpoint recomputation, and the
+    one being recomputed.
+
+    A kept pass holds detached aliases of its stored states (so that it keeps no autograd graph
+    alive) and watches the inputs its blocks received. The checkpoints hold those inputs until
+    they recompute their blocks, so the states are dropped as soon as no input of blocks
+    ``1..K-1`` is alive (after the backward pass, or when the graph is freed without one), and
+    the pass itself (its temperature, for a recomputation of block 0) when block 0's input is
+    gone too. Never copied or pickled.
+    """
+
+    def __init__(self) -> None:
+        self.current: _Pass | None = None
+        self.kept: dict[int, _Pass] = {}
+        self.recomputing: tuple[_Pass, int] | None = None  # (pass, next block) in a checkpoint
+        self.queued = -1  # the backward pass that clears ``recomputing`` when it ends
+        self._keys = itertools.count()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _PassStore:
+        return _PassStore()
+
+    def __reduce__(self) -> tuple[type[_PassStore], tuple[()]]:
+        return (_PassStore, ())
+
+    def finish(self, p: _Pass) -> None:
+        """End pass ``p``: drop its states, or keep them if a checkpoint may recompute a block."""
+        if self.current is p:
+            self.current = None
+        if p.done:
+            return
+        p.done = True
+        if torch.compiler.is_compiling():
+            p.states = []
+            return
+        later = [t for ref in p.inputs[1:] if ref is not None and (t := ref()) is not None]
+        first = p.inputs[0]() if p.inputs[0] is not None else None
+        keep = p.checkpointed and p.stored and torch.is_grad_enabled()
+        if not (keep and (later or first is not None)):
+            p.states = []
+            return
+        p.states = [None if s is None else _alias(s) for s in p.states] if later else []
+        key = next(self._keys)
+        store_ref = weakref.ref(self)
+        alive = [len(later), 1 if first is not None else 0]
+
+        def released(group: int) -> None:  # group 0: inputs of blocks 1..K-1; 1: block 0's
+            alive[group] -= 1
+            store = store_ref()
+            kept = None if store is None else store.kept.get(key)
+            if kept is not None and alive[0] == 0:
+                kept.states = []
+                if alive[1] == 0:
+                    del store.kept[key]
+
+        p.watch = [weakref.ref(t, lambda _: released(0)) for t in later]
+        if first is not None:
+            p.watch.append(weakref.ref(first, lambda _: released(1)))
+        self.kept[key] = p
+
+    def find(self, index: int, x: torch.Tensor) -> _Pass | None:
+        """The kept pass in which block ``index`` received ``x``, if any."""
+        for p in reversed(list(self.kept.values())):
+            ref = p.inputs[index]
+            if ref is not None and ref() is x:
+                return p
+        return None
+
+    def continued(self, index: int) -> _Pass | None:
+        """The pass being recomputed if block ``index`` follows the last recomputed block."""
+        if self.recomputing is not None and self.recomputing[1] == index:
+            return self.recomputing[0]
+        return None
+
+    def chain(self, p: _Pass, index: int) -> None:
+        """Note that block ``index`` of ``p`` is being recomputed, until the backward pass ends."""
+        self.recomputing = (p, index + 1)
+        task = torch._C._current_graph_task_id()
+        engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+        queue = getattr(engine, "queue_callback", None)
+        if queue is None or self.queued == task:
+            return
+        self.queued = task
+        store_ref = weakref.ref(self)
+
+        def clear() -> None:
+            store = store_ref()
+            if store is not None:
+                store.recomputing = None
+                store.queued = -1
+
+        queue(clear)
+
+
+def _alias(state: torch.Tensor) -> torch.Tensor:
+    """``state`` without its autograd history, requiring grad like it (so that a recomputation
+    saves the same tensors as the forward pass did)."""
+    return state.detach().requires_grad_(state.requires_grad)
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass (e.g. a checkpoint recomputes)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+def _saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are active (a non-reentrant gradient checkpoint runs)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:  # cannot tell: keep the states (correct, costs memory until the backward)
+        return True
+    return top(False) is not None
 
 
 class RoutedBlock(nn.Module):
@@ -407,7 +629,7 @@ class RoutedBlock(nn.Module):
     def __init__(self, block: nn.Module, index: int, router: ConnectivityRouter) -> None:
         super().__init__()
         if not isinstance(block, nn.Module):
-            raise TypeError(f"block {index} must be an nn.Module, got {type(block).__name__}")
+            raise InputError(f"block {index} must be an nn.Module, got {type(block).__name__}")
         self.block = block
         self.index = index
         object.__setattr__(self, "_router", router)
@@ -420,18 +642,17 @@ class RoutedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         router: ConnectivityRouter = self._router
-        if self.index == 0:
-            router.begin(x)
-        inputs = router.block_input(self.index, x)
+        p = router.enter(self.index, x)
+        inputs = router.block_input(p, self.index, x)
         out = self.block(inputs, *args, **kwargs)
         y = out[0] if isinstance(out, tuple | list) else out
         if not isinstance(y, torch.Tensor) or y.shape != inputs.shape:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-            raise ValueError(
+            raise InputError(
                 f"block {self.index} ({type(self.block).__name__}) returned shape {got} for an "
                 f"input of shape {tuple(inputs.shape)}; routed blocks must preserve the shape"
             )
-        y = router.record(self.index, router.block_output(self.index, inputs, y))
+        y = router.record(p, self.index, router.block_output(p, self.index, inputs, y))
         if isinstance(out, tuple | list):
             return type(out)([y, *out[1:]])
         return y
@@ -474,12 +695,12 @@ def wrap_module_list(
         ('RoutedBlock', True)
     """
     if not isinstance(container, nn.ModuleList | nn.Sequential):
-        raise TypeError(f"container must be nn.ModuleList or nn.Sequential, got {type(container)}")
+        raise InputError(f"container must be nn.ModuleList or nn.Sequential, got {type(container)}")
     blocks = list(container)[start:]
     if not blocks:
-        raise ValueError(f"container has no blocks to route from index start={start}")
+        raise InputError(f"container has no blocks to route from index start={start}")
     if hasattr(owner, name):
-        raise ValueError(f"owner already has an attribute {name!r}; pass another name")
+        raise InputError(f"owner already has an attribute {name!r}; pass another name")
     router = ConnectivityRouter(len(blocks), **router_kwargs)
     param = next((p for block in blocks for p in block.parameters()), None)
     if param is not None:  # the model may already be on its device
@@ -526,10 +747,10 @@ class ANCReStack(nn.Module):
         super().__init__()
         blocks = list(blocks)
         if not blocks:
-            raise ValueError("blocks must not be empty")
+            raise InputError("blocks must not be empty")
         for i, block in enumerate(blocks):
             if not isinstance(block, nn.Module):
-                raise TypeError(f"block {i} must be an nn.Module, got {type(block).__name__}")
+                raise InputError(f"block {i} must be an nn.Module, got {type(block).__name__}")
         self.router = ConnectivityRouter(len(blocks), **router_kwargs)
         param = next((p for block in blocks for p in block.parameters()), None)
         if param is not None:  # blocks already on a device: keep the router with them

@@ -5,7 +5,11 @@ wrappers and registers one :class:`~ada_modules.nn.ancre.ConnectivityRouter` on 
 copying or forking the model's code: its own loop over its layers runs the routed stack. At init
 the wrapped model computes exactly what it computed before (modes ``"source"``, ``"input"``,
 ``"denseformer"``). Wrap after loading weights: the wrapped blocks' parameters are renamed
-``<layer>.block.<name>``.
+``<layer>.block.<name>``. Gradient checkpointing works with every adapter, switched on before or
+after wrapping (timm ``set_grad_checkpointing()``, diffusers ``enable_gradient_checkpointing()``,
+transformers ``activation_checkpointing_enable()``), and gives the same gradients as without it.
+An adapter whose ``"source"`` layout would route nothing (a single routed block, e.g. the stages
+of a resnet18) warns instead of silently adding no parameters.
 
 - :func:`wrap_hf_decoder`: the decoder layers of a transformers ``LlamaForCausalLM`` /
   ``Qwen2ForCausalLM`` (any model whose decoder has ``.layers``); router at
@@ -22,11 +26,14 @@ the wrapped model computes exactly what it computed before (modes ``"source"``, 
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
-from ada_modules.nn.ancre import MODES, ANCReStack, Mode, wrap_module_list
+from ada_modules.errors import InputError
+from ada_modules.nn.ancre import MODES, ANCReStack, ConnectivityRouter, Mode, wrap_module_list
 
 __all__ = [
     "ConnectivityWrapper",
@@ -71,17 +78,50 @@ def wrap_hf_decoder(model: nn.Module, **router_kwargs: Any) -> nn.Module:
         decoder = model.get_decoder()
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no decoder with a .layers ModuleList")
+        raise InputError(f"{type(model).__name__} has no decoder with a .layers ModuleList")
     hidden = int(model.config.hidden_size)
-    wrap_module_list(layers, decoder, **_channel_kwargs(router_kwargs, hidden, -1))
+    router = wrap_module_list(layers, decoder, **_channel_kwargs(router_kwargs, hidden, -1))
+    why = f"its decoder has one layer and {_SINGLE_SOURCE}"
+    _warn_if_nothing_routed("wrap_hf_decoder", model, [router], router.mode, why, _USE_INPUT)
     return model
+
+
+def _model_name(model: nn.Module) -> str:
+    cfg = getattr(model, "pretrained_cfg", None)
+    name = cfg.get("architecture") if isinstance(cfg, dict) else None
+    return str(name or type(model).__name__)
+
+
+def _warn_if_nothing_routed(
+    adapter: str,
+    model: nn.Module,
+    routers: Sequence[ConnectivityRouter],
+    mode: str,
+    why: str,
+    alternative: str,
+) -> None:
+    """Warn when ``mode`` adds no routing at all to ``model`` (a silent no-op otherwise)."""
+    if mode == "residual":
+        return
+    if routers and not (mode == "source" and all(r.num_layers < 2 for r in routers)):
+        return
+    warnings.warn(
+        f"{adapter}: {_model_name(model)} in mode={mode!r} routes nothing and adds no "
+        f"parameters: {why}. {alternative}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+_SINGLE_SOURCE = "a single routed block has no earlier state to take its shortcut from"
+_USE_INPUT = "Use mode='input' or mode='denseformer', which also route the output over the states."
 
 
 def _out_channels(block: nn.Module) -> int:
     for module in reversed(list(block.modules())):
         if isinstance(module, nn.BatchNorm2d | nn.GroupNorm):
             return int(getattr(module, "num_features", None) or module.num_channels)
-    raise TypeError(f"cannot infer the output channels of {type(block).__name__}")
+    raise InputError(f"cannot infer the output channels of {type(block).__name__}")
 
 
 def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
@@ -92,7 +132,11 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
     router per stage over the blocks after the first (the first block of a stage changes the
     resolution or the width); stages with a single block are left as they are. A ResNet block
     applies its activation after its own residual addition, so the learned shortcut correction
-    is added after that activation.
+    is added after that activation. Stages cannot be routed across (their states differ in
+    resolution and width), so in ``"source"`` mode a stage with one block after its first has no
+    shortcut to choose: a resnet18 (two blocks per stage) gets no parameters and a
+    ``UserWarning`` suggests ``mode="input"`` / ``"denseformer"`` (which also route each stage's
+    output) or a deeper ResNet. ``model.set_grad_checkpointing()`` works before or after wrapping.
 
     Args:
         model: E.g. ``timm.create_model("resnet18", pretrained=False)``.
@@ -100,6 +144,10 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
 
     Raises:
         TypeError: If the model is neither ViT-like nor a ResNet.
+
+    Warns:
+        UserWarning: If the layout routes nothing (``"source"`` mode with a single routed block
+            per stack, or a ResNet whose stages all have a single block).
 
     Examples:
         >>> import timm
@@ -111,11 +159,14 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.Sequential | nn.ModuleList):
         width = int(model.embed_dim)
-        wrap_module_list(blocks, model, **_channel_kwargs(router_kwargs, width, -1))
+        router = wrap_module_list(blocks, model, **_channel_kwargs(router_kwargs, width, -1))
+        why = f"it has one block and {_SINGLE_SOURCE}"
+        _warn_if_nothing_routed("wrap_timm", model, [router], router.mode, why, _USE_INPUT)
         return model
     stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
     if not all(isinstance(stage, nn.Sequential) for stage in stages):
-        raise TypeError(f"{type(model).__name__} is neither ViT-like (.blocks) nor a ResNet")
+        raise InputError(f"{type(model).__name__} is neither ViT-like (.blocks) nor a ResNet")
+    mode = router_kwargs.get("mode", "source")
     holder = nn.Module()  # owner of the routers, so that no stage calls them
     routers = nn.ModuleList()
     for i, stage in enumerate(stages):
@@ -124,6 +175,19 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
         kwargs = _channel_kwargs(router_kwargs, _out_channels(stage[0]), 1)
         routers.append(wrap_module_list(stage, holder, name=f"stage{i}", start=1, **kwargs))
     model.connectivity = routers
+    if not routers:
+        why = "no stage has more than one block (the first block of a stage changes its shape)"
+        alternative = "Use a ResNet with deeper stages (e.g. resnet34 or resnet50)."
+    else:
+        why = (
+            "every stage has a single block after its first one (the first block of a stage "
+            "changes the resolution and the width, so it is not routed), and " + _SINGLE_SOURCE
+        )
+        alternative = (
+            "Use mode='input' or mode='denseformer', which also route each stage's output over "
+            "its states, or a ResNet with deeper stages (e.g. resnet34 or resnet50)."
+        )
+    _warn_if_nothing_routed("wrap_timm", model, list(routers), mode, why, alternative)
     return model
 
 
@@ -150,9 +214,11 @@ def wrap_diffusers_dit(model: nn.Module, **router_kwargs: Any) -> nn.Module:
     """
     blocks = getattr(model, "transformer_blocks", None)
     if not isinstance(blocks, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no transformer_blocks ModuleList")
+        raise InputError(f"{type(model).__name__} has no transformer_blocks ModuleList")
     width = int(model.inner_dim)
-    wrap_module_list(blocks, model, **_channel_kwargs(router_kwargs, width, -1))
+    router = wrap_module_list(blocks, model, **_channel_kwargs(router_kwargs, width, -1))
+    why = f"it has one transformer block and {_SINGLE_SOURCE}"
+    _warn_if_nothing_routed("wrap_diffusers_dit", model, [router], router.mode, why, _USE_INPUT)
     return model
 
 
@@ -206,7 +272,7 @@ class ConnectivityWrapper:
         lr_scale: float = 1.0,
     ) -> None:
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+            raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
         self.router_kwargs: dict[str, Any] = {
             "mode": mode,
@@ -284,7 +350,7 @@ class MLPResNet(ANCReStack):
     ) -> None:
         for name, value in (("width", width), ("depth", depth), ("expansion", expansion)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
         blocks = [
             nn.Sequential(
                 nn.LayerNorm(width),

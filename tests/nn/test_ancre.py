@@ -1,8 +1,11 @@
 """ANCReStack / ConnectivityRouter: identity at init, routing, hard export, memory, bad input."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ada_modules.nn import ANCReStack, ConnectivityRouter, MLPResNet, export_hard, find_routers
 
@@ -218,7 +221,7 @@ def test_export_hard_at_init_is_the_residual_network(seed):
     stack = ANCReStack(blocks, mode="source", residual_in_block=False).export_hard()
     assert torch.equal(stack(x), _plain(blocks, x))
     assert torch.equal(stack.connectivity(), ConnectivityRouter(6, mode="residual").connectivity())
-    assert all(s is None for s in stack.router._states)  # no state kept after the pass
+    assert stack.router._passes.current is None  # no state kept after the pass
 
 
 def test_export_hard_rejects_modes_without_a_source_choice():
@@ -229,7 +232,7 @@ def test_export_hard_rejects_modes_without_a_source_choice():
 def test_states_are_released_after_the_forward_pass_and_never_stacked(seed):
     stack = ANCReStack(_branches(), mode="source", residual_in_block=False)
     stack(torch.randn(2, 8))
-    assert stack.router._states == []
+    assert stack.router._passes.current is None and not stack.router._passes.kept
     calls = []
     original = torch.stack
 
@@ -243,6 +246,143 @@ def test_states_are_released_after_the_forward_pass_and_never_stacked(seed):
     finally:
         torch.stack = original
     assert not calls
+
+
+def _moved(stack: ANCReStack) -> ANCReStack:
+    """Non-zero coefficients everywhere, so that every routed term carries gradient."""
+    with torch.no_grad():
+        for param in stack.router.parameters():
+            param.add_(0.5 * torch.randn_like(param))
+    return stack
+
+
+def _checkpointed(stack: ANCReStack, x: torch.Tensor, every: int | str) -> torch.Tensor:
+    """Run ``stack`` with its blocks in non-reentrant checkpoints of ``every`` blocks, or in one
+    checkpoint of the ``"whole"`` stack, or of an op before the stack and the stack (``"from
+    before"``: the checkpoint does not save the stack's input)."""
+    if every == "whole":
+        return checkpoint(stack, x, use_reentrant=False)
+    if every == "from before":
+        return checkpoint(lambda t: stack(t * 1.0), x, use_reentrant=False)
+    layers = list(stack.layers)
+
+    def segment(t: torch.Tensor, start: int) -> torch.Tensor:
+        for layer in layers[start : start + every]:
+            t = layer(t)
+        return t
+
+    for start in range(0, len(layers), every):
+        x = checkpoint(segment, x, start, use_reentrant=False)
+    return x
+
+
+def _grads(module: nn.Module) -> list[torch.Tensor]:
+    return [param.grad.clone() for param in module.parameters()]
+
+
+def _assert_same_training(
+    reference: ANCReStack, every: int | str, forwards: int = 2, steps: int = 2
+) -> ANCReStack:
+    """Train a copy of ``reference`` under checkpointing next to it (``forwards`` forward passes
+    per backward pass): the gradients (coefficients and inputs included) are the same."""
+    checkpointed = copy.deepcopy(reference)
+    for _ in range(steps):
+        inputs = [torch.randn(3, 8, requires_grad=True) for _ in range(forwards)]
+        ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+        losses = [_checkpointed(checkpointed, x, every).square().sum() for x in inputs]
+        sum((k + 1) * loss for k, loss in enumerate(losses)).backward()
+        losses = [reference(x).square().sum() for x in ref_inputs]
+        sum((k + 1) * loss for k, loss in enumerate(losses)).backward()
+        got = _grads(checkpointed) + [x.grad for x in inputs]
+        want = _grads(reference) + [x.grad for x in ref_inputs]
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+        for module in (reference, checkpointed):
+            with torch.no_grad():
+                for param in module.parameters():
+                    param.sub_(0.1 * param.grad)
+                    param.grad = None
+    return checkpointed
+
+
+_CHECKPOINTED = [
+    pytest.param(mode, {}, every, id=f"{mode}-{str(every).replace(' ', '_')}")
+    for mode in ("source", "input")
+    for every in (1, 2, "whole", "from before")
+] + [
+    pytest.param("denseformer", {"dilation": 2}, 2, id="denseformer_dilated-2"),
+    pytest.param("rezero", {}, 2, id="rezero-2"),
+    pytest.param("source", {"top_k": 2, "per_channel": True, "num_channels": 8}, 1, id="top_k-1"),
+]
+
+
+@pytest.mark.parametrize(("mode", "options", "every"), _CHECKPOINTED)
+def test_gradient_checkpointing_gives_the_same_gradients(seed, mode, options, every):
+    stack = ANCReStack(_branches(), mode=mode, residual_in_block=False, **options)
+    _assert_same_training(_moved(stack), every)
+
+
+@pytest.mark.parametrize("every", [1, 2, "whole"], ids=["per_block", "pairs", "whole"])
+def test_gradient_checkpointing_recomputes_with_the_temperature_of_the_pass(seed, every):
+    stack = ANCReStack(
+        _branches(), mode="input", residual_in_block=False, final_temperature=0.2, anneal_steps=4
+    )
+    checkpointed = _assert_same_training(_moved(stack), every)  # 2 passes, then the backward
+    assert int(checkpointed.router.step) == int(stack.router.step) == 4  # the forwards only
+
+
+def test_gradient_checkpointing_of_a_hard_export_and_a_retained_graph(seed):
+    reference = _moved(ANCReStack(_branches(), mode="source", residual_in_block=False))
+    with torch.no_grad():  # re-route blocks 3 and 5 to earlier states
+        reference.router.gate.fill_(1.0)
+        reference.router.logits[reference.router._offsets[3]] = 5.0
+        reference.router.logits[reference.router._offsets[5] + 2] = 5.0
+    checkpointed = copy.deepcopy(reference)
+    x = torch.randn(3, 8)
+    for stack in (reference, checkpointed):
+        loss = _checkpointed(stack, x, 1 if stack is checkpointed else "whole").sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # a second backward recomputes the blocks again
+    for got, want in zip(_grads(checkpointed), _grads(reference), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    hard_sources = export_hard(reference).router.hard_sources.tolist()
+    assert hard_sources[3] == 0 and hard_sources[5] == 2
+    reference.zero_grad()
+    checkpointed = copy.deepcopy(reference)
+    x = torch.randn(3, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    _checkpointed(checkpointed, x, 1).square().sum().backward()
+    reference(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-7)
+    for got, want in zip(_grads(checkpointed), _grads(reference), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_checkpointed_states_are_kept_only_until_the_backward_or_the_graph_is_freed(seed):
+    stack = _moved(ANCReStack(_branches(), mode="source", residual_in_block=False))
+    passes = stack.router._passes
+    stack(torch.randn(2, 8)).sum().backward()  # without checkpointing: nothing kept
+    assert passes.current is None and not passes.kept
+    out = _checkpointed(stack, torch.randn(2, 8), 1)
+    assert len(passes.kept) == 1 and len(next(iter(passes.kept.values())).states) == 7
+    out.sum().backward()
+    assert not passes.kept and passes.recomputing is None
+    out = _checkpointed(stack, torch.randn(2, 8), 1)  # a graph freed without a backward
+    assert len(passes.kept) == 1
+    del out
+    assert not passes.kept
+    with torch.no_grad():  # no graph, nothing to recompute
+        _checkpointed(stack, torch.randn(2, 8), 1)
+    assert not passes.kept
+
+
+def test_reentrant_checkpointing_raises_instead_of_dropping_gradients(seed):
+    stack = _moved(ANCReStack(_branches(3), mode="source", residual_in_block=False))
+    x = torch.randn(2, 8, requires_grad=True)
+    for layer in stack.layers:
+        x = checkpoint(layer, x, use_reentrant=True)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        x.sum().backward()
 
 
 def test_no_weight_decay_names_the_coefficients_and_they_are_one_dimensional():

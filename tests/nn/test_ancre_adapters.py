@@ -1,6 +1,7 @@
 """ANCRe adapters: identity at init on HF Llama/Qwen2, timm ViT/ResNet and diffusers DiT."""
 
 import copy
+import warnings
 
 import pytest
 import timm
@@ -187,3 +188,139 @@ def test_adapters_reject_models_they_do_not_know():
         ConnectivityWrapper(mode="dense")
     with pytest.raises(ValueError, match="temperature"):
         ConnectivityWrapper(temperature=0.0)(_llama(2))
+
+
+def _vit() -> nn.Module:
+    return _perturb(
+        timm.models.VisionTransformer(
+            img_size=16, patch_size=8, embed_dim=16, depth=3, num_heads=2, num_classes=4
+        )
+    )
+
+
+def _resnet() -> nn.Module:  # stage 1: two routed blocks; stage 2: one; stages 3, 4: none
+    return _perturb(
+        timm.models.ResNet(
+            block=timm.models.resnet.BasicBlock,
+            layers=[3, 2, 1, 1],
+            num_classes=4,
+            stem_width=8,
+            channels=(8, 8, 8, 8),
+        )
+    )
+
+
+def _dit() -> nn.Module:
+    return _perturb(
+        DiTTransformer2DModel(
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            num_layers=3,
+            sample_size=8,
+            norm_num_groups=4,
+            num_embeds_ada_norm=10,
+        )
+    )
+
+
+_IMAGE = torch.randn(2, 3, 16, 16)
+_LATENT = torch.randn(2, 4, 8, 8)
+_IDS = torch.randint(0, 32, (2, 7))
+# name: (build, wrap, enable checkpointing, the routed blocks' container, loss)
+_CHECKPOINTING = {
+    "timm_vit": (
+        _vit,
+        wrap_timm,
+        lambda m: m.set_grad_checkpointing(True),
+        lambda m: m.blocks,
+        lambda m: m(_IMAGE).square().sum(),
+    ),
+    "timm_resnet": (
+        _resnet,
+        wrap_timm,
+        lambda m: m.set_grad_checkpointing(True),
+        lambda m: m.layer1,
+        lambda m: m(2 * _IMAGE).square().sum(),
+    ),
+    "diffusers_dit": (
+        _dit,
+        wrap_diffusers_dit,
+        lambda m: m.enable_gradient_checkpointing(),
+        lambda m: m.transformer_blocks,
+        lambda m: (
+            m(_LATENT, timestep=torch.tensor([1, 5]), class_labels=torch.tensor([0, 3]))
+            .sample.square()
+            .sum()
+        ),
+    ),
+    "hf_qwen2": (
+        _qwen2,
+        wrap_hf_decoder,
+        lambda m: m.activation_checkpointing_enable(),
+        lambda m: m.model.layers,
+        lambda m: m(input_ids=_IDS, labels=_IDS, use_cache=False).loss,
+    ),
+}
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["enabled_after", "enabled_before"])
+@pytest.mark.parametrize("name", list(_CHECKPOINTING))
+def test_gradient_checkpointing_gives_the_same_gradients(seed, name, before):
+    build, wrap, enable, container, loss_of = _CHECKPOINTING[name]
+    model = build()
+    reference = wrap(copy.deepcopy(model), mode="source").train()
+    with torch.no_grad():  # moved gates and logits: every routed term carries gradient
+        for _, router in find_routers(reference):
+            for param in router.parameters():
+                param.add_(0.5 * torch.randn_like(param))
+    checkpointed = copy.deepcopy(model).train()
+    if before:
+        enable(checkpointed)
+        wrap(checkpointed, mode="source")
+    else:
+        enable(wrap(checkpointed, mode="source"))
+    checkpointed.load_state_dict(reference.state_dict())
+    calls = []  # a leaf of a routed block runs twice per step under checkpointing
+    leaf = next(
+        m for m in container(checkpointed)[1].modules() if isinstance(m, nn.Linear | nn.Conv2d)
+    )
+    leaf.register_forward_hook(lambda *_: calls.append(1))
+    params = dict(checkpointed.named_parameters())
+    for step in range(2):
+        for module in (reference, checkpointed):
+            module.zero_grad()
+            torch.manual_seed(step)  # the DiT drops class labels at random in training
+            loss_of(module).backward()
+        routers = 0
+        for key, param in reference.named_parameters():
+            if param.grad is None:  # e.g. the empty coefficients of a one-block stage
+                assert params[key].grad is None and param.numel() == 0
+                continue
+            torch.testing.assert_close(params[key].grad, param.grad, rtol=1e-5, atol=1e-6)
+            routers += "connectivity" in key and bool(param.grad.abs().sum() > 0)
+        assert routers >= 2  # the router's logits and gates got their gradients
+        with torch.no_grad():
+            for module in (reference, checkpointed):
+                for param in module.parameters():
+                    if param.grad is not None:
+                        param.sub_(0.01 * param.grad)
+    assert len(calls) == 4
+    assert not any(r._passes.kept for _, r in find_routers(checkpointed))
+
+
+def test_wrap_timm_warns_when_source_mode_routes_nothing_on_a_resnet18():
+    def resnet18() -> nn.Module:
+        return timm.create_model(
+            "resnet18", pretrained=False, stem_width=8, channels=(8, 16, 24, 32), num_classes=4
+        )
+
+    with pytest.warns(UserWarning, match=r"resnet18 in mode='source' routes nothing.*'input'"):
+        wrapped = wrap_timm(resnet18(), mode="source")
+    assert [r.num_layers for r in wrapped.connectivity] == [1, 1, 1, 1]
+    assert sum(p.numel() for p in wrapped.connectivity.parameters()) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the alternatives route something: no warning
+        routed = wrap_timm(resnet18(), mode="input")
+        assert sum(p.numel() for p in routed.connectivity.parameters()) == 4 * 3
+        wrap_timm(_resnet(), mode="source")  # stage 1 has two routed blocks
