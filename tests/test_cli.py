@@ -23,6 +23,8 @@ TINY = [
     "--trainer.callbacks=[]",
 ]
 
+NO_VALIDATION = ["--trainer.num_sanity_val_steps=0", "--trainer.limit_val_batches=0"]
+
 
 def _run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as exit_info:
@@ -163,7 +165,7 @@ def test_input_error_raised_during_the_run_is_one_line(monkeypatch, capsys):
         raise InputError("window must be >= 1, got 0")
 
     monkeypatch.setattr(CausalLMModule, "training_step", bad_step)
-    code, _, err = _run_main(["fit", "-c", str(QUICKSTART), *TINY], capsys)
+    code, _, err = _run_main(["fit", "-c", str(QUICKSTART), *TINY, *NO_VALIDATION], capsys)
     assert code == 2
     assert err.strip().splitlines()[-1] == "ada: error: window must be >= 1, got 0"
     assert "Traceback" not in err
@@ -177,4 +179,4 @@ def test_a_bug_during_the_run_keeps_its_traceback(monkeypatch):
 
     monkeypatch.setattr(CausalLMModule, "training_step", buggy_step)
     with pytest.raises(RuntimeError, match="a bug"):
-        main(["fit", "-c", str(QUICKSTART), *TINY])
+        main(["fit", "-c", str(QUICKSTART), *TINY, *NO_VALIDATION])
