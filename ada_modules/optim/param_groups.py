@@ -202,14 +202,14 @@ def split_param_groups(
 
 
 def check_radii(radii: Mapping[str, float] | None) -> None:
-    """Raise ``ValueError`` unless every key of ``radii`` is a role and every value is positive.
+    """Raise ``InputError`` unless every key of ``radii`` is a role and every value is positive.
 
     Examples:
         >>> check_radii({"hidden": 3.0, "head": 10.0})
         >>> check_radii({"head": 0})
         Traceback (most recent call last):
         ...
-        ValueError: radii['head'] must be a positive number, got 0
+        ada_modules.errors.InputError: radii['head'] must be a positive number, got 0
     """
     for role, radius in (radii or {}).items():
         if role not in ROLES:
