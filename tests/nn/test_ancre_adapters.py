@@ -107,14 +107,32 @@ def test_hf_overhead_is_below_one_percent_on_the_tiny_lm():
     assert extra / (total - extra) < 0.01
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
-@pytest.mark.parametrize("mode", MODES)
-def test_timm_vit_is_unchanged_at_init(seed, mode, options):
-    vit = _perturb(
+def _vit() -> nn.Module:
+    return _perturb(
         timm.models.VisionTransformer(
             img_size=16, patch_size=8, embed_dim=16, depth=3, num_heads=2, num_classes=4
         )
     )
+
+
+def _dit() -> nn.Module:
+    return _perturb(
+        DiTTransformer2DModel(
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            num_layers=3,
+            sample_size=8,
+            norm_num_groups=4,
+            num_embeds_ada_norm=10,
+        )
+    )
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_timm_vit_is_unchanged_at_init(seed, mode, options):
+    vit = _vit()
     x = torch.randn(2, 3, 16, 16)
     reference = vit(x)
     wrapped = wrap_timm(copy.deepcopy(vit), mode=mode, **_options(mode, options))
@@ -144,17 +162,7 @@ def test_timm_resnet_stages_are_unchanged_at_init(seed, mode, options):
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_diffusers_dit_is_unchanged_at_init(seed, mode, options):
-    dit = _perturb(
-        DiTTransformer2DModel(
-            num_attention_heads=2,
-            attention_head_dim=8,
-            in_channels=4,
-            num_layers=3,
-            sample_size=8,
-            norm_num_groups=4,
-            num_embeds_ada_norm=10,
-        )
-    )
+    dit = _dit()
     x = torch.randn(2, 4, 8, 8)
     kwargs = {"timestep": torch.tensor([1, 5]), "class_labels": torch.tensor([0, 3])}
     reference = dit(x, **kwargs).sample
@@ -190,14 +198,6 @@ def test_adapters_reject_models_they_do_not_know():
         ConnectivityWrapper(temperature=0.0)(_llama(2))
 
 
-def _vit() -> nn.Module:
-    return _perturb(
-        timm.models.VisionTransformer(
-            img_size=16, patch_size=8, embed_dim=16, depth=3, num_heads=2, num_classes=4
-        )
-    )
-
-
 def _resnet() -> nn.Module:  # stage 1: two routed blocks; stage 2: one; stages 3, 4: none
     return _perturb(
         timm.models.ResNet(
@@ -206,20 +206,6 @@ def _resnet() -> nn.Module:  # stage 1: two routed blocks; stage 2: one; stages 
             num_classes=4,
             stem_width=8,
             channels=(8, 8, 8, 8),
-        )
-    )
-
-
-def _dit() -> nn.Module:
-    return _perturb(
-        DiTTransformer2DModel(
-            num_attention_heads=2,
-            attention_head_dim=8,
-            in_channels=4,
-            num_layers=3,
-            sample_size=8,
-            norm_num_groups=4,
-            num_embeds_ada_norm=10,
         )
     )
 
