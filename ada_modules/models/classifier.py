@@ -15,6 +15,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from ada_modules.errors import InputError
 from ada_modules.optim.chain import OptimizerChain
 from ada_modules.optim.param_groups import check_radii, geometry_param_groups, split_param_groups
+from ada_modules.strategies.sharding import shard_module
 
 __all__ = ["ImageClassifierModule"]
 
@@ -173,6 +174,15 @@ class ImageClassifierModule(LightningModule):
             }
         )
         self._swap = ExitStack()
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` or ``AdERAStrategy``: FSDP2 per layer, then the roots.
+
+        Each layer with parameters of ``features`` (``trunk`` as one block) is a block, then
+        ``features`` and ``head`` are wrapped as roots (:func:`~ada_modules.strategies.shard_module`).
+        Without a device mesh the model stays as it is.
+        """
+        shard_module(self, self.device_mesh)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Class logits, shape ``(batch, num_classes)``, of flat or image-shaped inputs."""

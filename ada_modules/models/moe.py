@@ -15,6 +15,7 @@ from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.errors import InputError
 from ada_modules.nn.moe import MoELayer
 from ada_modules.optim.param_groups import weight_decay_param_groups
+from ada_modules.strategies.sharding import sharding_mesh
 
 __all__ = ["MoEBlock", "MoELMModule", "MoETransformer"]
 
@@ -246,13 +247,7 @@ class MoELMModule(LightningModule):
 
         if isinstance(self.model, FSDPModule):  # configure_model runs again for test after fit
             return
-        names = mesh.mesh_dim_names or ()
-        if "data_parallel" in names and mesh["data_parallel"].size() > 1:
-            shard_mesh = mesh["data_parallel"]
-        elif "tensor_parallel" in names:
-            shard_mesh = mesh["tensor_parallel"]
-        else:
-            shard_mesh = mesh
+        shard_mesh = sharding_mesh(mesh)
         kwargs: dict[str, Any] = {"mesh": shard_mesh}
         if self.fsdp_param_dtype is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(

@@ -1,4 +1,4 @@
-"""Lightning Strategies (e.g. AdERA's compressed FSDP2 all-gather)."""
+"""Lightning Strategies (AdERA's compressed FSDP2 all-gather) and the FSDP2 sharding helper."""
 
 from ada_modules.strategies.adera import (
     MIN_TORCH_VERSION,
@@ -11,6 +11,13 @@ from ada_modules.strategies.adera_cost_model import CostModel
 from ada_modules.strategies.adera_stats import GatherStats
 from ada_modules.strategies.adera_strategy import AdERAStrategy
 from ada_modules.strategies.adera_trace import GatherRecord, trace_from_records
+from ada_modules.strategies.sharding import (
+    ShardSpec,
+    find_blocks,
+    is_sharded,
+    shard_module,
+    sharding_mesh,
+)
 
 __all__ = [
     "MIN_TORCH_VERSION",
@@ -19,6 +26,11 @@ __all__ = [
     "CostModel",
     "GatherRecord",
     "GatherStats",
+    "ShardSpec",
+    "find_blocks",
+    "is_sharded",
+    "shard_module",
+    "sharding_mesh",
     "install_adera_all_gather",
     "require_custom_all_gather",
     "trace_from_records",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.constants import default_pg_timeout
 
 from ada_modules.errors import InputError
@@ -30,6 +31,7 @@ from ada_modules.strategies.adera import (
 from ada_modules.strategies.adera_cost_model import CostModel
 from ada_modules.strategies.adera_stats import GatherStats
 from ada_modules.strategies.adera_trace import GatherRecord, trace_from_records
+from ada_modules.strategies.sharding import check_shard_spec, is_sharded, shard_module
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
@@ -89,6 +91,11 @@ class AdERAStrategy(ModelParallelStrategy):
             which gathers were compressed). Training is unchanged: both kinds are exact.
         trace_path: Write a simulator trace of the training steps to this JSON file at the end of
             fit (rank 0; parent folders are created). ``None``: record nothing.
+        shard: For a LightningModule that does not shard itself: the blocks to wrap with
+            ``fully_shard`` (class names such as ``"TransformerBlock"`` or qualified-name patterns
+            such as ``"net.*"``, see :func:`~ada_modules.strategies.sharding.find_blocks`), then
+            its direct submodules as roots, like FSDP1's auto-wrap policy. Applied when the
+            module's ``configure_model`` is not overridden or left the module unsharded.
 
     Raises:
         InputError: For a bad argument (a ``ValueError``), e.g. ``impl="cuda"``.
@@ -119,9 +126,12 @@ class AdERAStrategy(ModelParallelStrategy):
         impl: Impl = "auto",
         alternate_steps: bool = False,
         trace_path: str | None = None,
+        shard: list[str] | None = None,
     ) -> None:
         if trace_path is not None and (not isinstance(trace_path, str) or not trace_path):
             raise InputError(f"trace_path must be None or a non-empty path, got {trace_path!r}")
+        if shard is not None:
+            check_shard_spec(shard)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -143,6 +153,7 @@ class AdERAStrategy(ModelParallelStrategy):
         self.impl: Impl = impl
         self.alternate_steps = alternate_steps
         self.trace_path = trace_path
+        self.shard = list(shard) if shard is not None else None
         self.cost_model: CostModel | None = None
         self.comms: dict[str, AdERAAllGather] = {}
         self._verify_next = False
@@ -160,9 +171,35 @@ class AdERAStrategy(ModelParallelStrategy):
             total.add(comm.stats)
         return total
 
+    def setup_environment(self) -> None:
+        """Build the device mesh; with ``shard``, give an unsharding module its ``configure_model``.
+
+        ``ModelParallelStrategy`` requires ``configure_model`` to be overridden; for a module
+        that does not override it, the strategy supplies one that shards by ``shard``.
+        """
+        super().setup_environment()
+        module = self.lightning_module
+        if self.shard is not None and not is_overridden("configure_model", module):
+            shard = self.shard
+
+            def configure_model() -> None:
+                shard_module(module, module.device_mesh, shard)
+
+            module.configure_model = configure_model
+
     def setup(self, trainer: "Trainer") -> None:
         """Set up FSDP2 as ``ModelParallelStrategy`` does, then install the AdERA all-gathers."""
         require_custom_all_gather()
+        module = self.lightning_module
+        if self.shard is not None:
+            shard_module(module, self.device_mesh, self.shard)
+        if not is_sharded(module):
+            raise InputError(
+                f"{type(module).__name__} does not shard itself in configure_model, and "
+                "AdERAStrategy needs FSDP2 modules: pass shard=[...] (block class names or "
+                "name patterns, e.g. shard=['Linear'] or shard=['net.*']) or call "
+                "ada_modules.strategies.shard_module(self, self.device_mesh) in configure_model"
+            )
         super().setup(trainer)
         if self.mode == "auto" and self.calibrate:
             self.cost_model = CostModel.calibrate(
