@@ -34,7 +34,7 @@ class AADProfiler(Callback):
     ``model_attribute`` is ``""``) and must accept ``input_ids``, ``attention_mask`` and
     ``output_attentions`` and return ``.attentions`` — any ``transformers`` causal LM, e.g. the one
     of :class:`~ada_modules.models.CausalLMModule`. With several processes each rank profiles its own
-    batches and rank 0 writes its files.
+    batches, rank 0 writes its files and the logged values are averaged over the ranks.
 
     Args:
         dirpath: Folder of the JSON and PNG files; ``None`` uses ``trainer.log_dir`` (or
@@ -168,8 +168,8 @@ class AADProfiler(Callback):
         )
         means, stds = self.profile.layer_mean(), self.profile.layer_std()
         for layer, (mean, std) in enumerate(zip(means.tolist(), stds.tolist(), strict=True)):
-            pl_module.log(f"aad/layer_{layer}", mean)
-            pl_module.log(f"aad/layer_{layer}_std", std)
+            pl_module.log(f"aad/layer_{layer}", mean, sync_dist=True)
+            pl_module.log(f"aad/layer_{layer}_std", std, sync_dist=True)
         if trainer.is_global_zero:
             folder = self._folder(trainer)
             folder.mkdir(parents=True, exist_ok=True)

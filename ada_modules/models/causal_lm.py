@@ -7,6 +7,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics import MeanMetric
 from transformers import (
@@ -29,6 +30,7 @@ from ada_modules.optim.param_groups import (
     split_param_groups,
     weight_decay_param_groups,
 )
+from ada_modules.strategies.sharding import is_sharded, shard_module
 
 __all__ = ["CausalLMModule", "Generation", "build_causal_lm"]
 
@@ -38,6 +40,11 @@ ARCHITECTURES: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] =
 }
 """Model families built from a config: name -> (config class, model class)."""
 _EVAL_METRICS = ("loss", "exact_match", "gen_length", "tokens_per_s", "kv_bytes_per_token")
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class Generation(NamedTuple):
@@ -108,6 +115,11 @@ class CausalLMModule(LightningModule):
 
     Techniques plug in without code changes: ``cache_factory`` supplies the KV cache of each
     ``generate`` call and ``attn_implementation`` picks the attention function.
+
+    Sharding: under Lightning's ``ModelParallelStrategy`` or
+    :class:`~ada_modules.strategies.AdERAStrategy`, :meth:`configure_model` applies FSDP2 to each
+    decoder layer and then to the model (:func:`~ada_modules.strategies.shard_module`), and
+    ``generate`` keeps the ranks in step (``synced_gpus``).
 
     Args:
         architecture: Model family, ``"llama"`` or ``"qwen2"``.
@@ -275,6 +287,16 @@ class CausalLMModule(LightningModule):
         )
         # Per-hop accuracies are created on first sight of a hop count (see _evaluate).
         self.hop_metrics = nn.ModuleDict()
+        self._generated = False  # whether generate ran (the cache factory was used)
+        self._warned_unused_cache = False
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` or ``AdERAStrategy``: FSDP2 per decoder layer, then root.
+
+        See :func:`~ada_modules.strategies.sharding.shard_module`; without a device mesh (any
+        other strategy) the model stays as it is.
+        """
+        shard_module(self, self.device_mesh)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -303,9 +325,13 @@ class CausalLMModule(LightningModule):
             token; all of them when generation hit ``max_new_tokens`` first), the wall time of
             ``generate`` in seconds, and the KV cache it filled.
         """
+        self._generated = True
         kwargs: dict[str, Any] = {}
         if self.cache_factory is not None:
             kwargs["cache"] = self.cache_factory(config=self.model.config)
+        if is_sharded(self.model) and _world_size() > 1:
+            # Sharded: every rank must run the same number of forward passes.
+            kwargs["synced_gpus"] = True
         if prompt_ids.is_cuda:
             torch.cuda.synchronize(prompt_ids.device)
         start = time.perf_counter()
@@ -334,6 +360,17 @@ class CausalLMModule(LightningModule):
             for split in ("val", "test"):
                 if f"{split}_{hops}" not in self.hop_metrics:
                     self.hop_metrics[f"{split}_{hops}"] = MeanMetric()
+
+    def on_fit_end(self) -> None:
+        # The cache is only used by generate (validation, test, predict): say so, once, when a
+        # configured cache factory was never called.
+        if self.cache_factory is not None and not self._generated and not self._warned_unused_cache:
+            self._warned_unused_cache = True
+            rank_zero_warn(
+                "CausalLMModule: cache_factory is set but this fit never generated (no validation "
+                "step ran), so the cache was not used; it applies to generate in validation, "
+                "test and predict"
+            )
 
     def _metrics_in_float32(self) -> None:
         # Under a half-precision trainer (``precision: bf16-true``) the model is converted, states

@@ -218,8 +218,15 @@ class ConnectivityRouter(nn.Module):
         return self.temperature * (self.final_temperature / self.temperature) ** progress
 
     def _coefficients(self, name: str) -> torch.Tensor:
-        """A coefficient parameter as used, ``(entries, width)``: stored value times ``lr_scale``."""
-        flat = getattr(self, name).view(-1, self._width)
+        """A coefficient parameter as used, ``(entries, width)``: stored value times ``lr_scale``.
+
+        Outside the forward of an FSDP2-sharded model the parameter is a sharded ``DTensor``: it
+        is gathered (a collective, so every rank reads it, as callbacks do).
+        """
+        param = getattr(self, name)
+        if hasattr(param, "full_tensor"):
+            param = param.full_tensor()
+        flat = param.view(-1, self._width)
         return flat if self.lr_scale == 1.0 else flat * self.lr_scale
 
     def _row_param(self, name: str, r: int) -> torch.Tensor:
