@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ada_modules.errors import InputError
+from ada_modules.optim._dtensor import plain
 
 __all__ = ["AcceleGrad", "accelegrad_alpha"]
 
@@ -58,7 +59,9 @@ class AcceleGrad(Optimizer):
         params: Parameters or parameter groups.
         lr: ``D``, the diameter (scale) of the step; must be positive.
         g0: ``G0 > 0``, the initial value of the AdaGrad-norm accumulator.
-        proj_radius: Radius ``R`` of the ball ``K`` (``None``: unconstrained).
+        proj_radius: Radius ``R`` of the ball ``K`` (``None``: unconstrained). A step at
+            ``lr = 0`` (as ``torch.distributed.checkpoint`` takes to create the states before
+            loading them) skips the projection, so that it leaves the parameters unchanged.
 
     Raises:
         ValueError: If ``lr``, ``g0`` or ``proj_radius`` is not positive.
@@ -140,7 +143,8 @@ class AcceleGrad(Optimizer):
                 st = self.state[p]
                 st["z"].add_(p.grad, alpha=-alpha * eta)
                 torch.add(p, p.grad, alpha=-eta, out=st["y"])
-            if group["proj_radius"] is not None:
+            # With lr = 0 nothing moves, not even z onto the ball (checkpoint loaders step at lr 0).
+            if group["proj_radius"] is not None and group["lr"] > 0:
                 znorm = math.sqrt(
                     _sum_sq(torch._foreach_norm([self.state[p]["z"] for p in params]))
                 )
@@ -170,7 +174,12 @@ class AcceleGrad(Optimizer):
 
 
 def _sum_sq(values: list[Tensor]) -> float:
-    """Sum of squares of 0-d tensors, in float64, with one device synchronisation."""
+    """Sum of squares of 0-d tensors, in float64, with one device synchronisation.
+
+    0-d ``DTensor``s (norms of sharded tensors, pending a reduction over the ranks) are reduced
+    first, one all-reduce each, so every rank returns the same value.
+    """
+    values = [plain(v) for v in values]
     dev = values[0].device
     return float(torch.stack([v.to(dev, torch.float64) for v in values]).square().sum())
 

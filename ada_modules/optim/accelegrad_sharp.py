@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 
 from ada_modules.errors import InputError
 from ada_modules.optim import lmo as _lmo
+from ada_modules.optim._dtensor import plain
 from ada_modules.optim.accelegrad import _sum_sq, _Swap, accelegrad_alpha
 
 __all__ = ["ANCHORS", "GEOMETRIES", "AcceleGradSharp"]
@@ -72,6 +73,11 @@ class AcceleGradSharp(Optimizer):
     ``y``, ``z`` per tensor, ``s`` (diagonal anchor or mirror step) and ``ybar`` (``output="average"``)
     — three extra parameter-sized buffers by default.
 
+    Parameters sharded with FSDP2 (``DTensor``s) are supported, with states sharded like them: the
+    element-wise parts run on the local shards, each LMO and dual norm as described in
+    :mod:`ada_modules.optim.lmo` (on the gathered full tensor when it needs one), and the scalar
+    accumulators from norms reduced over the ranks, so every rank takes the unsharded step.
+
     Args:
         params: Parameters, ``(name, parameter)`` pairs, or groups. Group keys override any of the
             options below.
@@ -86,7 +92,9 @@ class AcceleGradSharp(Optimizer):
         radius: ``rho``, the clip of the dual norm in the ``"lmo"`` geometry (``None``: no clip).
         g0: ``G0 > 0``, initial value of the scalar accumulator.
         eps: Denominator guard of the per-coordinate accumulator.
-        proj_radius: Radius of the projection ball for ``z`` (``None``: unconstrained).
+        proj_radius: Radius of the projection ball for ``z`` (``None``: unconstrained). A step at
+            ``lr = 0`` (as ``torch.distributed.checkpoint`` takes to create the states before
+            loading them) skips the projection, so that it leaves the parameters unchanged.
         output: What :meth:`swap_output` shows: ``"last"`` (``y``) or ``"average"`` (``ybar``).
         nonfinite: On a NaN/Inf gradient, ``"raise"`` (naming the parameter) or ``"skip"`` the
             whole step with a warning, leaving parameters and state untouched.
@@ -198,7 +206,8 @@ class AcceleGradSharp(Optimizer):
                     )
             if not indexed:
                 continue
-            norms = torch._foreach_norm([p.grad for _, p in indexed])
+            # Norms of sharded gradients are reduced over the ranks, so all ranks agree.
+            norms = [plain(n) for n in torch._foreach_norm([p.grad for _, p in indexed])]
             finite = torch.stack([n.isfinite().to(norms[0].device) for n in norms]).tolist()
             names = [_name(group, i) for (i, _), ok in zip(indexed, finite, strict=True) if not ok]
             if names and group["nonfinite"] == "raise":
@@ -258,7 +267,7 @@ class AcceleGradSharp(Optimizer):
             for p, g in zip(params, grads, strict=True):
                 norm = _resolve_norm(group, p)
                 if isinstance(norm, _lmo.Euclidean) and geometry == "sharp":
-                    duals.append(torch.linalg.vector_norm(g))
+                    duals.append(plain(torch.linalg.vector_norm(g)))
                     dirs.append(g)
                     continue
                 lmo, dual = norm.lmo_and_dual(g)
@@ -282,7 +291,8 @@ class AcceleGradSharp(Optimizer):
             _add_(foreach, zs, grads, -alpha * eta)
         else:
             _addcdiv_(foreach, zs, grads, denoms, -alpha * two_d)
-        if group["proj_radius"] is not None:
+        # With lr = 0 nothing moves, not even z onto the ball (checkpoint loaders step at lr 0).
+        if group["proj_radius"] is not None and group["lr"] > 0:
             znorm = math.sqrt(_sum_sq(torch._foreach_norm(zs)))
             if znorm > group["proj_radius"]:
                 _mul_(foreach, zs, group["proj_radius"] / znorm)

@@ -20,6 +20,11 @@ class OptimizerChain(Optimizer):
     so a scheduler of the chain sets the children's rates) and ``state`` a read view of their
     states (for moving them between devices).
 
+    :meth:`state_dict` has ``torch.optim.Optimizer``'s format (the children's state dicts merged,
+    parameter ids numbered through the chain's ``param_groups``), so that
+    ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``/``set_optimizer_state_dict``
+    (Lightning's ``ModelParallelStrategy`` checkpoints, FSDP2) handle the chain like any optimizer.
+
     Args:
         optimizers: Optimizers whose parameters do not overlap.
 
@@ -55,16 +60,51 @@ class OptimizerChain(Optimizer):
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+        """The children's state dicts as one, in ``torch.optim.Optimizer``'s format.
+
+        Each child's parameter ids are shifted by the number of parameters of the children before
+        it, so the ids count through :attr:`param_groups` as for a single optimizer.
+        """
+        merged: dict[str, Any] = {"state": {}, "param_groups": []}
+        offset = 0
+        for opt in self.optimizers:
+            child = opt.state_dict()
+            merged["state"].update({offset + key: value for key, value in child["state"].items()})
+            for group in child["param_groups"]:
+                ids = [offset + key for key in group["params"]]
+                merged["param_groups"].append({**group, "params": ids})
+            offset += sum(len(group["params"]) for group in opt.param_groups)
+        return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        states = state_dict["optimizers"]
-        if len(states) != len(self.optimizers):
-            raise InputError(
-                f"state_dict holds {len(states)} optimizers, the chain has {len(self.optimizers)}"
-            )
-        for opt, state in zip(self.optimizers, states, strict=True):
-            opt.load_state_dict(state)
+        """Load a state dict of :meth:`state_dict`'s format (or the older per-child list).
+
+        The groups are handed to the children in order, each with the states of its parameters;
+        parameter keys may be ids or names (as ``torch.distributed.checkpoint`` passes them).
+        """
+        if "optimizers" in state_dict:
+            children = state_dict["optimizers"]
+            if len(children) != len(self.optimizers):
+                raise InputError(
+                    f"state_dict holds {len(children)} optimizers, the chain has "
+                    f"{len(self.optimizers)}"
+                )
+        else:
+            groups, state = state_dict["param_groups"], state_dict["state"]
+            if len(groups) != len(self.param_groups):
+                raise InputError(
+                    f"state_dict holds {len(groups)} parameter groups, the chain has "
+                    f"{len(self.param_groups)}"
+                )
+            children, start = [], 0
+            for opt in self.optimizers:
+                own = groups[start : start + len(opt.param_groups)]
+                start += len(opt.param_groups)
+                keys = {key for group in own for key in group["params"]}
+                own_state = {key: value for key, value in state.items() if key in keys}
+                children.append({"state": own_state, "param_groups": own})
+        for opt, child in zip(self.optimizers, children, strict=True):
+            opt.load_state_dict(child)
         # Children replace their group dicts on load; share the new ones again.
         self.param_groups = [group for opt in self.optimizers for group in opt.param_groups]
 

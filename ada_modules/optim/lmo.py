@@ -38,6 +38,21 @@ Zero gradients give a zero LMO, a zero dual norm and a zero sharp direction, nev
 Half-precision inputs are computed in float32; ``lmo`` and ``sharp`` come back in the input dtype,
 dual and primal norms as 0-d float tensors of at least float32 precision.
 
+**Sharded tensors.** Every operation accepts a ``torch.distributed.tensor.DTensor`` (the parameters,
+gradients and optimizer states of a model sharded with FSDP2's ``fully_shard`` or with tensor
+parallelism) and returns what it returns for the full tensor: ``lmo`` and ``sharp`` as a
+``DTensor`` placed like the input, dual and primal norms as ordinary 0-d tensors (the same value on
+every rank). An operation that needs the whole tensor (the Newton–Schulz polar factor, column or
+row norms, the RMS scaling) runs on ``full_tensor()`` (one all-gather) and each rank keeps its part
+of the result, so it equals the unsharded result bit for bit. Operations listed in a norm's
+:attr:`Norm.local_ops` (``sign``'s element-wise LMO, ``euclidean``'s copy as sharp direction and
+the ``ℓ1``/``ℓ2``/max reductions of both) run on the local shards with one scalar all-reduce for a
+norm; such a reduction sums in another order than on one device, so those norms agree with the
+unsharded ones to rounding (relative ``~1e-7`` in float32), not bit for bit. Implicit
+redistributions inside a Newton–Schulz iteration never happen. Custom subclasses get the same
+treatment: their ``lmo_and_dual``, ``norm`` (and overridden ``lmo``, ``dual_norm``, ``sharp``) see
+full tensors only, unless named in ``local_ops``.
+
 Example:
     >>> import torch
     >>> g = torch.tensor([[3.0, -4.0], [0.0, 0.0]])
@@ -51,14 +66,17 @@ Example:
     ('spectral', 'rms')
 """
 
+import functools
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ada_modules.errors import InputError
+from ada_modules.optim._dtensor import is_dtensor, plain, shard_like
 from ada_modules.optim.newton_schulz import newton_schulz
 
 __all__ = [
@@ -86,11 +104,51 @@ def _safe_divide(x: Tensor, norms: Tensor) -> Tensor:
     return x / norms.clamp_min(torch.finfo(norms.dtype).tiny)
 
 
+# What each operation returns, per output: True for a tensor like its input, False for a 0-d norm.
+_RESULTS: dict[str, tuple[bool, ...]] = {
+    "lmo_and_dual": (True, False),
+    "lmo": (True,),
+    "sharp": (True,),
+    "dual_norm": (False,),
+    "norm": (False,),
+}
+
+
+def _dtensor_aware(method: Callable[[Any, Tensor], Any]) -> Callable[[Any, Tensor], Any]:
+    """Run a norm operation on a ``DTensor`` as on its full tensor (see the module docstring).
+
+    Operations in the norm's ``local_ops`` see the ``DTensor`` itself; the others its
+    ``full_tensor()``. Results like the input come back placed like it, 0-d norms as ordinary
+    tensors. Nested calls (``sharp`` calling ``lmo_and_dual``) see ordinary tensors, so a tensor is
+    gathered once per outer call.
+    """
+    op = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: "Norm", *args: Tensor, **kwargs: Tensor) -> Any:
+        t = args[0] if args else next(iter(kwargs.values()), None)
+        if not is_dtensor(t):
+            return method(self, *args, **kwargs)
+        out = method(self, t if op in self.local_ops else t.full_tensor())
+        outs = out if isinstance(out, tuple) else (out,)
+        mapped = tuple(
+            (o if is_dtensor(o) else shard_like(o, t)) if like else plain(o)
+            for o, like in zip(outs, _RESULTS[op], strict=True)
+        )
+        return mapped if isinstance(out, tuple) else mapped[0]
+
+    wrapper._dtensor_aware = True  # type: ignore[attr-defined]
+    return wrapper
+
+
 class Norm(ABC):
     """A norm on one parameter tensor with its dual norm, LMO and sharp operator.
 
     Subclasses implement :meth:`lmo_and_dual` and :meth:`norm`; the other operations derive from
     them. Norm objects hold only options, never shapes, so one instance serves every parameter.
+    Every operation takes ``DTensor``s too (sharded parameters, see the module docstring): the
+    methods a subclass defines are wrapped so that they see full tensors, except those named in
+    :attr:`local_ops`.
 
     Examples:
         >>> import torch
@@ -110,6 +168,18 @@ class Norm(ABC):
     """Most dimensions a supported tensor has (``None``: no limit)."""
     hint: ClassVar[str] = ""
     """Advice appended to the shape error."""
+    local_ops: ClassVar[frozenset[str]] = frozenset()
+    """Operations that run on a ``DTensor`` itself, with ``DTensor``'s own kernels: element-wise
+    ones (bitwise equal to the unsharded result) and reductions to a scalar (one all-reduce; equal
+    to rounding). The others run on ``full_tensor()``. Subclasses inherit it: a subclass that
+    overrides one of these operations with a non-local computation must leave it out."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for op in _RESULTS:
+            method = cls.__dict__.get(op)
+            if callable(method) and not getattr(method, "_dtensor_aware", False):
+                setattr(cls, op, _dtensor_aware(method))
 
     def check(self, param: Tensor) -> None:
         """Raise if this norm does not apply to ``param``'s shape or dtype.
@@ -143,14 +213,17 @@ class Norm(ABC):
     def norm(self, v: Tensor) -> Tensor:
         """Primal norm ``‖v‖`` as a 0-d tensor."""
 
+    @_dtensor_aware
     def lmo(self, g: Tensor) -> Tensor:
         """``argmin_{‖v‖ ≤ 1} ⟨g, v⟩``, so that ``⟨g, lmo(g)⟩ = −‖g‖_*``; shape and dtype of ``g``."""
         return self.lmo_and_dual(g)[0]
 
+    @_dtensor_aware
     def dual_norm(self, g: Tensor) -> Tensor:
         """Dual norm ``‖g‖_* = sup_{‖v‖ ≤ 1} ⟨g, v⟩`` as a 0-d tensor."""
         return self.lmo_and_dual(g)[1]
 
+    @_dtensor_aware
     def sharp(self, g: Tensor) -> Tensor:
         """Sharp operator ``g^# = ‖g‖_* · (−lmo(g))``; shape and dtype of ``g``."""
         lmo, dual = self.lmo_and_dual(g)
@@ -206,6 +279,7 @@ class Euclidean(_BlockL2):
     """
 
     name = "euclidean"
+    local_ops = frozenset({"sharp", "dual_norm", "norm"})
 
     def _scale(self, t: Tensor) -> float:
         return 1.0
@@ -313,6 +387,7 @@ class Sign(Norm):
     """
 
     name = "sign"
+    local_ops = frozenset({"lmo", "dual_norm", "norm", "lmo_and_dual", "sharp"})
 
     def __init__(self, normalized: bool = True) -> None:
         self.normalized = normalized
@@ -322,11 +397,13 @@ class Sign(Norm):
             return 1.0
         return 1.0 / math.prod(t.shape[1:])
 
-    def lmo_and_dual(self, g: Tensor) -> tuple[Tensor, Tensor]:
+    def lmo(self, g: Tensor) -> Tensor:
         self.check(g)
         x = _work(g)
-        scale = self._scale(x)
-        return (torch.sign(x) * -scale).to(g.dtype), x.abs().sum() * scale
+        return (torch.sign(x) * -self._scale(x)).to(g.dtype)
+
+    def lmo_and_dual(self, g: Tensor) -> tuple[Tensor, Tensor]:
+        return self.lmo(g), self.dual_norm(g)
 
     def dual_norm(self, g: Tensor) -> Tensor:
         self.check(g)

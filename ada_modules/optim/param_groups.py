@@ -6,10 +6,12 @@ which norm of :mod:`ada_modules.optim.lmo` (Scion's recipe) and returns groups w
 ``params``, ``param_names``, ``norm`` and, when given, ``radius``.
 """
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from torch import nn
+from torch.optim import Optimizer
 
 from ada_modules.errors import InputError
 from ada_modules.optim.lmo import NORM_NAMES, Norm
@@ -20,14 +22,15 @@ __all__ = [
     "DEFAULT_ROLE_NORM_KWARGS",
     "ROLES",
     "Role",
+    "check_param_coverage",
     "check_radii",
     "geometry_param_groups",
     "split_param_groups",
     "weight_decay_param_groups",
 ]
 
-Role = Literal["embedding", "hidden", "conv", "vector", "head"]
-ROLES: tuple[Role, ...] = ("embedding", "hidden", "conv", "vector", "head")
+Role = Literal["embedding", "hidden", "conv", "vector", "head", "routing"]
+ROLES: tuple[Role, ...] = ("embedding", "hidden", "conv", "vector", "head", "routing")
 """Layer roles, in the order the groups are returned."""
 DEFAULT_ROLE_NORMS: dict[Role, str] = {
     "embedding": "colnorm",
@@ -35,6 +38,7 @@ DEFAULT_ROLE_NORMS: dict[Role, str] = {
     "conv": "spectral_conv",
     "vector": "rms",
     "head": "sign",
+    "routing": "rms",
 }
 """Norm per role (embeddings use ``colnorm`` transposed: one column per token)."""
 DEFAULT_ROLE_NORM_KWARGS: dict[Role, dict[str, Any]] = {"embedding": {"transpose": True}}
@@ -64,7 +68,10 @@ def geometry_param_groups(
       weight, else the last :class:`~torch.nn.Linear` of the model;
     - ``"conv"``: weights with three or more dimensions (convolutions) → ``spectral_conv``;
     - ``"hidden"``: the other 2-D weights → ``spectral``;
-    - ``"vector"``: 0-D and 1-D tensors (biases, norm gains, the head's bias) → ``rms``.
+    - ``"vector"``: 0-D and 1-D tensors (biases, norm gains, the head's bias) → ``rms``;
+    - a module may claim the role of its own parameters with a ``geometry_role`` attribute:
+      ANCRe's :class:`~ada_modules.nn.ConnectivityRouter` sets ``"routing"`` (its routing
+      coefficients, a group of their own, never spectrally normed) → ``rms``.
 
     Args:
         model: The model.
@@ -122,7 +129,9 @@ def geometry_param_groups(
                 continue
             seen.add(id(p))
             full = f"{mod_name}.{p_name}" if mod_name else p_name
-            buckets[_role(module, p, head_module)].append((full, p))
+            role = getattr(module, "geometry_role", None) or _role(module, p, head_module)
+            _check_role(role)
+            buckets[role].append((full, p))
 
     groups = []
     for role in ROLES:
@@ -216,6 +225,59 @@ def check_radii(radii: Mapping[str, float] | None) -> None:
             raise InputError(f"unknown role {role!r} in radii; allowed: {', '.join(ROLES)}")
         if isinstance(radius, bool) or not isinstance(radius, int | float) or radius <= 0:
             raise InputError(f"radii[{role!r}] must be a positive number, got {radius!r}")
+
+
+def check_param_coverage(module: nn.Module, optimizer: Optimizer) -> None:
+    """Raise ``InputError`` unless ``optimizer`` holds every trainable parameter of ``module`` once.
+
+    Catches parameter groups built by hand or split between chained optimizers that forget a
+    parameter (which then never trains) or list one twice (which then steps twice). The groups of
+    an :class:`~ada_modules.optim.chain.OptimizerChain` are those of all its optimizers together
+    (its ``param_groups``). Parameters are told apart by identity, so shared (tied) parameters
+    count once; frozen parameters (``requires_grad=False``) need not be held, and parameters that
+    are not the module's are allowed.
+
+    Raises:
+        InputError: Naming up to five missing parameters by qualified name, with how many are
+            missing in all, and the parameters held more than once.
+
+    Examples:
+        >>> import torch
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        >>> check_param_coverage(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> check_param_coverage(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
+        Traceback (most recent call last):
+        ...
+        ada_modules.errors.InputError: the optimizer misses 2 of the 4 trainable parameters of the module: '1.weight', '1.bias'
+    """
+    names = {id(p): name for name, p in module.named_parameters()}
+    trainable = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    counts = Counter(id(p) for group in optimizer.param_groups for p in group["params"])
+    shapes = {id(p): tuple(p.shape) for group in optimizer.param_groups for p in group["params"]}
+    problems = []
+    missing = [name for name, p in trainable if id(p) not in counts]
+    if missing:
+        listed = ", ".join(repr(name) for name in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        problems.append(
+            f"the optimizer misses {len(missing)} of the {len(trainable)} trainable parameters "
+            f"of the module: {listed}{more}"
+        )
+    twice = [
+        f"{names[key]!r}"
+        if key in names
+        else f"a parameter of shape {shapes[key]} (not the module's)"
+        for key, count in counts.items()
+        if count > 1
+    ]
+    if twice:
+        listed = ", ".join(twice[:5]) + (f" and {len(twice) - 5} more" if len(twice) > 5 else "")
+        noun = "parameter" if len(twice) == 1 else "parameters"
+        problems.append(
+            f"the optimizer's parameter groups hold {len(twice)} {noun} more than once: {listed}"
+        )
+    if problems:
+        raise InputError("; ".join(problems))
 
 
 def _check_role(role: str) -> None:

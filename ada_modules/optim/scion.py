@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ada_modules.errors import InputError
+from ada_modules.optim._dtensor import shard_like
 from ada_modules.optim.lmo import NORM_NAMES, Norm, auto_norm, get_norm
 
 __all__ = ["Scion"]
@@ -42,6 +43,10 @@ class Scion(Optimizer):
     use ``"colnorm"``/``"spectral"`` for input layers, ``"spectral"`` for hidden weights and
     ``"sign"`` with a larger radius for the output head. Each spectral parameter costs one
     Newton–Schulz call per step.
+
+    Parameters sharded with FSDP2 (``DTensor``s) are supported: momentum and the update stay on
+    the local shards, and each LMO runs as described in :mod:`ada_modules.optim.lmo` (on the
+    gathered full tensor when it needs one), so a step equals the unsharded one.
 
     Args:
         params: Parameters or param groups; groups may set every argument below.
@@ -165,7 +170,9 @@ class Scion(Optimizer):
         ``"colnorm"``),
         the initialisation Scion's authors pair with the constrained update, which otherwise
         spends its first steps shrinking weights that start outside the ball. Vectors (biases,
-        norm gains) keep their module's initialisation. Call it once, before training.
+        norm gains) keep their module's initialisation. Call it once, before training. A sharded
+        (``DTensor``) parameter gets rank 0's draw of the full tensor, so it equals the unsharded
+        initialisation from the same generator state.
 
         Args:
             generator: Random generator for reproducible draws (``None``: the global one).
@@ -187,7 +194,8 @@ class Scion(Optimizer):
                 device = generator.device if generator is not None else p.device
                 gaussian = torch.randn(p.shape, generator=generator, device=device)
                 direction = norm.lmo(gaussian.to(p.device, p.dtype))
-                p.copy_(direction.mul_(group["radius"] / norm.norm(direction)))
+                direction.mul_(group["radius"] / norm.norm(direction))
+                p.copy_(shard_like(direction, p, src_rank=0))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

@@ -1,11 +1,18 @@
-"""geometry_param_groups: which layer gets which norm, on a tiny transformer and a tiny CNN."""
+"""geometry_param_groups: which layer gets which norm, on a tiny transformer and a tiny CNN;
+check_param_coverage: optimizers that miss a parameter or hold one twice."""
 
 import pytest
 import torch
 from torch import nn
 
+from ada_modules.errors import InputError
 from ada_modules.optim.accelegrad_sharp import AcceleGradSharp
-from ada_modules.optim.param_groups import geometry_param_groups
+from ada_modules.optim.chain import OptimizerChain
+from ada_modules.optim.param_groups import (
+    check_param_coverage,
+    geometry_param_groups,
+    split_param_groups,
+)
 from ada_modules.optim.scion import Scion
 
 
@@ -135,3 +142,92 @@ def test_state_dict_of_geometry_groups_loads_with_weights_only(optimizer, tmp_pa
     assert (embedding["norm"], embedding["norm_kwargs"]) == ("colnorm", {"transpose": True})
     fresh = optimizer(geometry_param_groups(model), lr=0.01)
     fresh.load_state_dict(state)
+
+
+def _muon_adamw(model: nn.Module) -> OptimizerChain:
+    groups = geometry_param_groups(model)
+    hidden = [p for g in groups if g["role"] == "hidden" for p in g["params"]]
+    inside, outside = split_param_groups(groups, hidden)
+    return OptimizerChain([torch.optim.Muon(inside, lr=0.02), torch.optim.AdamW(outside)])
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_coverage_of_complete_optimizers_passes(tie: bool) -> None:
+    model = TinyLM(tie=tie)
+    check_param_coverage(model, AcceleGradSharp(geometry_param_groups(model), lr=0.01))
+    check_param_coverage(model, _muon_adamw(model))
+    for module in (model.embed, model.norm, model.lm_head):  # frozen: need not be held
+        module.requires_grad_(False)
+    check_param_coverage(model, torch.optim.SGD(model.block.parameters(), lr=0.1))
+
+
+def test_coverage_names_up_to_five_missing_parameters_and_counts_them() -> None:
+    model = TinyLM()
+    total = len(list(model.parameters()))
+    opt = torch.optim.SGD(model.lm_head.parameters(), lr=0.1)
+    with pytest.raises(InputError) as info:
+        check_param_coverage(model, opt)
+    message = str(info.value)
+    assert f"misses {total - 1} of the {total} trainable parameters" in message
+    assert "'embed.weight'" in message and f"and {total - 6} more" in message
+    assert message.count("'") == 2 * 5  # five names, quoted
+    assert isinstance(info.value, ValueError)
+
+
+def test_coverage_of_a_chain_missing_one_parameter() -> None:
+    model = TinyLM()
+    groups = geometry_param_groups(model)
+    groups[-1]["params"] = []  # the head group loses its weight
+    groups[-1]["param_names"] = []
+    chain = OptimizerChain(
+        [AcceleGradSharp(groups[:2], lr=0.01), torch.optim.AdamW(groups[2:], lr=1e-3)]
+    )
+    with pytest.raises(
+        InputError, match=r"misses 1 of the \d+ trainable parameters.*'lm_head.weight'$"
+    ):
+        check_param_coverage(model, chain)
+
+
+def test_coverage_names_a_parameter_held_twice_in_one_optimizer() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    with pytest.warns(UserWarning, match="duplicate"):  # torch only warns
+        opt = torch.optim.SGD([*model.parameters(), model[1].weight], lr=0.1)
+    with pytest.raises(InputError, match=r"hold 1 parameter more than once: '1.weight'$"):
+        check_param_coverage(model, opt)
+
+
+def test_coverage_names_a_parameter_held_by_two_chained_optimizers() -> None:
+    model = TinyLM()
+    groups = geometry_param_groups(model)
+    hidden = [p for g in groups if g["role"] == "hidden" for p in g["params"]]
+    _, outside = split_param_groups(groups, hidden)
+    rest = [p for g in outside for p in g["params"]]
+    with pytest.warns(UserWarning, match="duplicate"):  # the chain's own group holds both
+        chain = OptimizerChain(
+            [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW([*rest, hidden[0]])]
+        )
+    with pytest.raises(
+        InputError, match=r"hold 1 parameter more than once: 'block.self_attn.in_proj_weight'$"
+    ):
+        check_param_coverage(model, chain)
+    stranger = nn.Parameter(torch.zeros(3, 2))
+    with pytest.warns(UserWarning, match="duplicate"):
+        opt = torch.optim.SGD([*model.parameters(), stranger, stranger], lr=0.1)
+    with pytest.raises(InputError, match=r"a parameter of shape \(3, 2\) \(not the module's\)"):
+        check_param_coverage(model, opt)
+
+
+def test_ancre_routing_coefficients_get_a_group_of_their_own():
+    from ada_modules.nn import ANCReStack
+
+    stack = ANCReStack([nn.Linear(8, 8) for _ in range(3)], mode="source", residual_in_block=False)
+    groups = {g["role"]: g for g in geometry_param_groups(stack, radii={"routing": 2.0})}
+    routing = groups["routing"]
+    assert routing["norm"] == "rms" and routing["radius"] == 2.0
+    assert {id(p) for p in routing["params"]} == {id(p) for p in stack.router.parameters()}
+    assert all(
+        not n.startswith("router.")
+        for g in groups.values()
+        if g is not routing
+        for n in g["param_names"]
+    )
