@@ -25,6 +25,7 @@ from ada_modules.errors import InputError
 from ada_modules.kv.memory import cache_nbytes
 from ada_modules.optim.chain import OptimizerChain
 from ada_modules.optim.param_groups import (
+    check_param_coverage,
     check_radii,
     geometry_param_groups,
     split_param_groups,
@@ -448,6 +449,7 @@ class CausalLMModule(LightningModule):
             hidden = [p for g in roles if g["role"] == "hidden" for p in g["params"]]
             main, aux = split_param_groups(groups, hidden)
             optimizer = OptimizerChain([self.optimizer(main), self.aux_optimizer(aux)])
+        check_param_coverage(self, optimizer)
         if self.lr_scheduler is None:
             return optimizer
         scheduler = self.lr_scheduler(optimizer)

@@ -14,7 +14,12 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from ada_modules.errors import InputError
 from ada_modules.optim.chain import OptimizerChain
-from ada_modules.optim.param_groups import check_radii, geometry_param_groups, split_param_groups
+from ada_modules.optim.param_groups import (
+    check_param_coverage,
+    check_radii,
+    geometry_param_groups,
+    split_param_groups,
+)
 from ada_modules.strategies.sharding import shard_module
 
 __all__ = ["ImageClassifierModule"]
@@ -279,6 +284,7 @@ class ImageClassifierModule(LightningModule):
                     "parameters (for aux_optimizer); set hidden_sizes or drop aux_optimizer"
                 )
             optimizer = OptimizerChain([self.optimizer(main), self.aux_optimizer(aux)])
+        check_param_coverage(self, optimizer)
         config: dict[str, Any] = {"optimizer": optimizer}
         if self.lr_scheduler is not None:
             config["lr_scheduler"] = {

@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.errors import InputError
 from ada_modules.nn.moe import MoELayer
-from ada_modules.optim.param_groups import weight_decay_param_groups
+from ada_modules.optim.param_groups import check_param_coverage, weight_decay_param_groups
 from ada_modules.strategies.sharding import sharding_mesh
 
 __all__ = ["MoEBlock", "MoELMModule", "MoETransformer"]
@@ -299,6 +299,7 @@ class MoELMModule(LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer(weight_decay_param_groups(self))
+        check_param_coverage(self, optimizer)
         if self.lr_scheduler is None:
             return optimizer
         scheduler = self.lr_scheduler(optimizer)

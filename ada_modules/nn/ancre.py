@@ -123,6 +123,9 @@ class ConnectivityRouter(nn.Module):
         tensor([0., 0., 0., 1., 0.])
     """
 
+    geometry_role = "routing"
+    """Role of the coefficients in :func:`~ada_modules.optim.geometry_param_groups`."""
+
     def __init__(
         self,
         num_layers: int,
