@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from transformers import LlamaConfig
+from lightning.pytorch import LightningModule
+from transformers import DynamicCache, LlamaConfig
 
 from ada_modules.callbacks import TrainingCurves
 from ada_modules.cli import main
@@ -27,8 +28,9 @@ from ada_modules.errors import InputError
 from ada_modules.kv import AADAccumulator, AdaKVQCache, KIVICache
 from ada_modules.models import CausalLMModule
 from ada_modules.nn import wrap_timm
-from ada_modules.optim import AcceleGradSharp, Scion
-from ada_modules.strategies import AdERAStrategy
+from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
+from ada_modules.optim.param_groups import check_param_coverage
+from ada_modules.strategies import AdERAStrategy, shard_module
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "bad-input.md"
@@ -109,6 +111,23 @@ def _nan_profile(tmp: Path) -> Path:
     data = accumulator.compute().to_dict()
     data["naad"][0][0][1] = float("nan")
     return _write(tmp, "profile.json", json.dumps(data))
+
+
+class _OneLayer(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+
+def _twice() -> None:
+    model = torch.nn.Linear(2, 2)
+    chain = OptimizerChain(
+        [torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)]
+    )
+    check_param_coverage(model, chain)
+
+
+TINY_LM = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2}
 
 
 def _sweep_spec(tmp: Path, text: str) -> Path:
@@ -228,6 +247,22 @@ CASES = [
     ),
     Case("optimizers", "`Scion(params, lr=0)`", _raises(lambda tmp: Scion([_param()], lr=0))),
     Case(
+        "optimizers",
+        "`CausalLMModule(optimizer=lambda groups: AdamW(groups[:1]))`: groups that leave "
+        "parameters out",
+        _raises(
+            lambda tmp: CausalLMModule(
+                **TINY_LM, optimizer=lambda groups: torch.optim.AdamW(groups[:1])
+            ).configure_optimizers()
+        ),
+    ),
+    Case(
+        "optimizers",
+        "`OptimizerChain([AdamW(model.parameters()), SGD(model.parameters())])`, checked by "
+        "`check_param_coverage(model, chain)`",
+        _raises(lambda tmp: _twice()),
+    ),
+    Case(
         "strategies",
         '`AdERAStrategy(impl="cuda")`',
         _raises(lambda tmp: AdERAStrategy(impl="cuda")),
@@ -236,6 +271,22 @@ CASES = [
         "strategies",
         '`AdERAStrategy(mode="sometimes")`',
         _raises(lambda tmp: AdERAStrategy(mode="sometimes")),
+    ),
+    Case(
+        "strategies",
+        '`AdERAStrategy(shard="Linear")`',
+        _raises(lambda tmp: AdERAStrategy(shard="Linear")),
+    ),
+    Case(
+        "strategies",
+        "`shard_module(module, mesh)` (or `AdERAStrategy`) for a LightningModule whose only "
+        "layer is one `nn.Linear` (no blocks)",
+        _raises(lambda tmp: shard_module(_OneLayer(), mesh=object())),
+    ),
+    Case(
+        "models",
+        "`CausalLMModule(cache_factory=DynamicCache)` in a fit without validation",
+        _warns(lambda tmp: CausalLMModule(**TINY_LM, cache_factory=DynamicCache).on_fit_end()),
     ),
     Case(
         "models",

@@ -1,7 +1,7 @@
 """Every YAML under cli_configs/ stays runnable.
 
 - Each LightningCLI config parses and resolves with ``--print_config`` (catches bad class paths,
-  untyped or renamed arguments).
+  untyped or renamed arguments); a partial config (``OVERLAYS``) after the config it extends.
 - Each sweep spec (a YAML with a top-level ``base:`` key) validates and expands to runs.
 - Each sweep spec (every ``repro.yaml`` among them) runs one (variant, seed) at a few-steps size
   in the fast suite, so that no sweep rots. The whole quick profile (~3 minutes) of each
@@ -28,6 +28,10 @@ def _is_sweep_spec(path: Path) -> bool:
 
 
 SPECS = [path for path in ALL_YAML if _is_sweep_spec(path)]
+# Partial configs given after a base (`-c base.yaml -c overlay.yaml`): overlay -> base.
+OVERLAYS = {
+    REPO / "cli_configs" / "compose" / "cache.yaml": REPO / "cli_configs" / "compose" / "lm.yaml"
+}
 CONFIGS = [path for path in ALL_YAML if path not in SPECS]
 REPROS = [path for path in SPECS if path.name == "repro.yaml"]
 
@@ -54,8 +58,9 @@ def test_the_shipped_configs_are_found():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids(CONFIGS))
 def test_config_resolves_with_print_config(config, capsys):
+    configs = [OVERLAYS[config], config] if config in OVERLAYS else [config]
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "-c", str(config), "--print_config"])
+        main(["fit", *(arg for path in configs for arg in ("-c", str(path))), "--print_config"])
     assert exit_info.value.code == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert "class_path" in resolved["model"]

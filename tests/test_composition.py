@@ -1,0 +1,281 @@
+"""The composition matrix: the library's techniques run together, pairwise.
+
+Factors (one entry per technique or baseline of that kind; a technique added later adds its
+entry, see docs/contributing.md):
+
+- ``STRATEGIES``: one process, Lightning's FSDP2 ``ModelParallelStrategy`` on 2 ranks, AdERA on 2;
+- ``OPTIMIZERS``: AdamW, AcceleGrad#, Scion, Muon on the hidden matrices chained with AdamW;
+- ``WRAPPERS``: none, ANCRe's ``ConnectivityWrapper``;
+- ``CACHES`` (at test): transformers' ``DynamicCache``, KIVI, AdaKVQ.
+
+:func:`pairwise_rows` picks rows of the product that together hold every pair of values of
+two factors (greedy all-pairs); each row fits a tiny Llama ``CausalLMModule`` on one fixed recall
+batch for a few steps (loss must go down), then tests it with a short ``generate`` through the
+row's cache. Every AdERA row also runs with ``ModelParallelStrategy`` and must end bitwise equal.
+All 2-rank runs share one forked pair of gloo processes. The full product runs as ``slow``.
+"""
+
+import itertools
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers.distributed import run_ranks, set_rank_env
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.strategies import ModelParallelStrategy
+from transformers import DynamicCache
+
+from ada_modules.callbacks import ConnectivityMonitor
+from ada_modules.data import RecallDataModule
+from ada_modules.kv import AdaKVQCache, KIVICache
+from ada_modules.models import CausalLMModule
+from ada_modules.nn import ConnectivityWrapper
+from ada_modules.optim import AcceleGradSharp, Muon, Scion
+from ada_modules.strategies import AdERAStrategy
+
+WORLD_SIZE = 2
+STEPS = 6
+BATCH = 8
+SIZES = {"data_parallel_size": WORLD_SIZE, "tensor_parallel_size": 1}
+
+STRATEGIES: dict[str, Callable[[], Any] | None] = {
+    "single": None,
+    "fsdp2": lambda: ModelParallelStrategy(**SIZES),
+    "adera": lambda: AdERAStrategy(**SIZES, mode="always", min_numel=256, check_caches=True),
+}
+OPTIMIZERS: dict[str, dict[str, Any]] = {
+    "adamw": {"optimizer": partial(torch.optim.AdamW, lr=3e-3)},
+    "accelegrad_sharp": {
+        "optimizer": partial(AcceleGradSharp, lr=0.05),
+        "param_groups": "geometry",
+    },
+    "scion": {"optimizer": partial(Scion, lr=0.01), "param_groups": "geometry"},
+    "muon_chain": {
+        "optimizer": partial(Muon, lr=0.02),
+        "aux_optimizer": partial(torch.optim.AdamW, lr=3e-3),
+    },
+}
+WRAPPERS: dict[str, Callable[[], Any] | None] = {
+    "none": None,
+    "ancre": lambda: ConnectivityWrapper(mode="source"),
+}
+CACHES: dict[str, Callable[..., Any]] = {
+    "dynamic": DynamicCache,
+    "kivi": partial(
+        KIVICache,
+        key_bits=2,
+        value_bits=2,
+        key_group_size=16,
+        value_group_size=16,
+        residual_length=16,
+    ),
+    "adakvq": partial(
+        AdaKVQCache, profile=[0.6, 0.3], budget=5.0, key_group_size=16, residual_length=16
+    ),
+}
+FACTORS = {
+    "strategy": list(STRATEGIES),
+    "optimizer": list(OPTIMIZERS),
+    "wrapper": list(WRAPPERS),
+    "cache": list(CACHES),
+}
+
+
+def pairwise_rows(factors: dict[str, list[str]]) -> list[dict[str, str]]:
+    """Rows of the product of ``factors`` that hold every pair of values of two factors.
+
+    Greedy: repeatedly take the row of the product that holds the most pairs not yet held
+    (first in product order on ties), until every pair is held.
+    """
+    names = list(factors)
+    product = [
+        dict(zip(names, values, strict=True)) for values in itertools.product(*factors.values())
+    ]
+
+    def pairs(row: dict[str, str]) -> set[tuple[tuple[str, str], tuple[str, str]]]:
+        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
+
+    missing = set().union(*(pairs(row) for row in product))
+    rows = []
+    while missing:
+        best = max(product, key=lambda row: len(pairs(row) & missing))
+        rows.append(best)
+        missing -= pairs(best)
+    return rows
+
+
+def _row_id(row: dict[str, str]) -> str:
+    return "-".join(row[name] for name in FACTORS)
+
+
+ROWS = pairwise_rows(FACTORS)
+PRODUCT = [
+    dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())
+]
+
+
+class _GlobalLoss(Callback):
+    """Records each step's training loss, averaged over the ranks."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"].detach().clone()
+        if trainer.world_size > 1:
+            torch.distributed.all_reduce(loss)
+            loss /= trainer.world_size
+        self.losses.append(float(loss))
+
+
+def _run(row: dict[str, str], tmp: str) -> dict[str, Any]:
+    seed_everything(0)
+    wrapper = WRAPPERS[row["wrapper"]]
+    module = CausalLMModule(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        max_new_tokens=4,
+        model_wrapper=wrapper() if wrapper else None,
+        **OPTIMIZERS[row["optimizer"]],
+    )
+    make_strategy = STRATEGIES[row["strategy"]]
+    world = 1 if make_strategy is None else WORLD_SIZE
+    # one batch per rank and epoch: every step sees the same samples
+    data = RecallDataModule(
+        num_pairs=4,
+        max_hops=1,
+        key_length=1,
+        num_train=BATCH * world,
+        num_val=BATCH,
+        num_test=BATCH * world,
+        batch_size=BATCH,
+        eval_batch_size=BATCH,
+    )
+    losses = _GlobalLoss()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=make_strategy() if make_strategy else "auto",
+        max_steps=STEPS,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        # reads ANCRe's coefficients between steps (gathered when sharded): no-op without a router
+        callbacks=[losses, ConnectivityMonitor(every_n_steps=STEPS // 2, log_images=False)],
+        default_root_dir=tmp,
+    )
+    trainer.fit(module, datamodule=data)
+    module.cache_factory = CACHES[row["cache"]]  # the cache of the test's generate calls
+    metrics = trainer.test(module, datamodule=data, verbose=False)[0]
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+    params = [
+        (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+        for p in module.parameters()
+    ]
+    return {"losses": losses.losses, "metrics": metrics, "params": params}
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def _distributed_runs(rows: list[dict[str, str]], tmp: str) -> dict[str, dict[str, Any]]:
+    """Every 2-rank row, plus an FSDP2 twin of every AdERA row, in this rank's process."""
+    results = {}
+    for row in rows:
+        if row["strategy"] == "single":
+            continue
+        try:
+            result = _run(row, tmp)
+            if row["strategy"] == "adera":
+                twin = _run({**row, "strategy": "fsdp2"}, tmp)
+                result["equal_to_fsdp2"] = _same(result["params"], twin["params"])
+        except Exception as error:  # reported by the test of the row
+            result = {"error": f"{type(error).__name__}: {error}"}
+        result.pop("params", None)
+        results[_row_id(row)] = result
+    return results
+
+
+def _worker(rank: int, port: int, rows: list, tmp: str, queue: "mp.Queue") -> None:
+    set_rank_env(rank, port, WORLD_SIZE)
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, _distributed_runs(rows, tmp)))
+    except Exception as error:
+        queue.put((rank, {"error": repr(error)}))
+        raise
+
+
+def _check(result: dict[str, Any], row: dict[str, str]) -> None:
+    assert "error" not in result, result["error"]
+    losses = result["losses"]
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
+    assert losses[-1] < losses[0], f"loss did not go down on the fixed batch: {losses}"
+    metrics = result["metrics"]
+    assert math.isfinite(metrics["test/loss"]), metrics
+    assert metrics["test/gen_length"] >= 1, metrics
+    if row["strategy"] == "adera":
+        assert result["equal_to_fsdp2"], "AdERA parameters differ from FSDP2's"
+
+
+def test_the_rows_hold_every_pair():
+    rows = {tuple(row.values()) for row in ROWS}
+    for (i, a), (j, b) in itertools.combinations(enumerate(FACTORS), 2):
+        for va, vb in itertools.product(FACTORS[a], FACTORS[b]):
+            assert any(r[i] == va and r[j] == vb for r in rows), (a, va, b, vb)
+    assert len(ROWS) < len(PRODUCT)
+
+
+@pytest.fixture(scope="module")
+def distributed_results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("composition"))
+    results, codes = run_ranks(_worker, ROWS, tmp, world_size=WORLD_SIZE, timeout=600)
+    assert codes == [0] * WORLD_SIZE, results
+    return results
+
+
+SINGLE = [row for row in ROWS if row["strategy"] == "single"]
+SHARDED = [row for row in ROWS if row["strategy"] != "single"]
+
+
+@pytest.mark.parametrize("row", SINGLE, ids=_row_id)
+def test_single_process_row(row, tmp_path):
+    _check(_run(row, str(tmp_path)), row)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("row", SHARDED, ids=_row_id)
+def test_two_rank_row(row, distributed_results):
+    for rank in range(WORLD_SIZE):
+        _check(distributed_results[rank][_row_id(row)], row)
+    first, second = (distributed_results[rank][_row_id(row)] for rank in range(WORLD_SIZE))
+    assert first["losses"] == second["losses"], "ranks disagree on the global loss"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_full_product(tmp_path):
+    for row in (r for r in PRODUCT if r["strategy"] == "single"):
+        _check(_run(row, str(tmp_path)), row)
+    results, codes = run_ranks(_worker, PRODUCT, str(tmp_path), world_size=WORLD_SIZE, timeout=3000)
+    assert codes == [0] * WORLD_SIZE, results
+    for row in (r for r in PRODUCT if r["strategy"] != "single"):
+        for rank in range(WORLD_SIZE):
+            _check(results[rank][_row_id(row)], row)
