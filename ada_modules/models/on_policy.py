@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
@@ -19,10 +20,15 @@ from ada_modules.models.causal_lm import ARCHITECTURES, build_causal_lm
 from ada_modules.optim.param_groups import weight_decay_param_groups
 from ada_modules.posttrain.advantages import ADVANTAGE_ESTIMATORS, RolloutStats, clip_cov_mask
 from ada_modules.posttrain.envs.base import TextEnv, Transcript
+from ada_modules.strategies.sharding import is_sharded, shard_module
 
 __all__ = ["OnPolicyModule", "Rollout"]
 
 _LOSS_TYPES = ("token", "sequence", "dr_grpo")
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclass
@@ -95,6 +101,19 @@ class OnPolicyModule(LightningModule):
     over the first / last third of the token budget), ``kl`` (k3 estimate to the frozen
     policy), ``clip_fraction``, ``response_length``, ``episode_turns``, ``sampled_tokens``,
     ``advantage_abs``, ``loss``.
+
+    Sharding: under Lightning's ``ModelParallelStrategy`` or
+    :class:`~ada_modules.strategies.AdERAStrategy`, :meth:`configure_model` applies FSDP2 to each
+    decoder layer and then to the model (:func:`~ada_modules.strategies.shard_module`). Every
+    forward pass then gathers parameters from all ranks, so with more than one rank the ranks run
+    in lockstep: sampling continues until the responses of all ranks have ended, a rank whose
+    episodes have all ended keeps sampling a discarded dummy response while another rank still
+    plays, the number of PPO minibatches is the largest over the ranks, ``sampled_tokens`` (the
+    budget, the evaluation schedule and the estimators' progress) counts the tokens of all
+    data-parallel ranks, and the success-curve evaluations are averaged over the ranks. With
+    ``kl_coef > 0`` the reference policy is a copy of the policy sharded alike in
+    :meth:`configure_model` (FSDP2 modules cannot be deep-copied), given the policy's weights when
+    RL starts.
 
     The policy is a Llama or Qwen2 model built from a config with the
     :class:`~ada_modules.data.CharTokenizer` vocabulary (as in
@@ -293,7 +312,71 @@ class OnPolicyModule(LightningModule):
         self.curve: list[tuple[int, float]] = []
         self.entropy_thirds = [[0.0, 0], [0.0, 0], [0.0, 0]]
         self._reference: list[torch.nn.Module] = []  # a list: not a registered submodule
+        self._sharded_shell: list[torch.nn.Module] = []  # the reference-to-be when sharded
         self._budget_stopped = False  # set when the token budget ends a fit (see on_train_end)
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` or ``AdERAStrategy``: FSDP2 per decoder layer, then root.
+
+        See :func:`~ada_modules.strategies.sharding.shard_module`; without a device mesh (any
+        other strategy) the model stays as it is. With ``kl_coef > 0`` a copy of the policy is
+        sharded the same way, to become the reference policy when RL starts (FSDP2 modules cannot
+        be deep-copied then).
+        """
+        mesh = self.device_mesh
+        if mesh is not None and self.kl_coef > 0 and not is_sharded(self.model):
+            shell = copy.deepcopy(self.model).requires_grad_(False)
+            shard_module(shell, mesh)
+            self._sharded_shell[:] = [shell]
+        shard_module(self, mesh)
+
+    # ------------------------------------------------------------------ keeping ranks in step
+
+    def _lockstep(self) -> bool:
+        """Whether all ranks must run the same forward passes: the policy is sharded, > 1 rank."""
+        return _world_size() > 1 and is_sharded(self.model)
+
+    def _all_reduce(self, values: list[float], op: str = "sum", group: Any = None) -> list[float]:
+        """``values`` reduced over the ranks of ``group`` (all ranks by default)."""
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=ops[op], group=group)
+        return tensor.tolist()
+
+    def _frozen_policy(self) -> torch.nn.Module:
+        """A frozen copy of the policy as it is now, sharded like it when it is sharded."""
+        if not is_sharded(self.model):
+            return copy.deepcopy(self.model).eval().requires_grad_(False)
+        if not self._sharded_shell:
+            raise RuntimeError(
+                "OnPolicyModule: the policy was sharded outside configure_model; the reference "
+                "policy of kl_coef > 0 needs a copy sharded alike (made in configure_model)"
+            )
+        from torch.distributed.fsdp import FSDPModule
+
+        shell = self._sharded_shell[0]
+        for module in (*self.model.modules(), *shell.modules()):
+            if isinstance(module, FSDPModule):
+                module.reshard()  # the registered parameters are the local shards again
+        with torch.no_grad():
+            for ref, param in zip(shell.parameters(), self.model.parameters(), strict=True):
+                ref.copy_(param)
+        return shell.eval()
+
+    def _tokens_of_all_ranks(self, tokens: int) -> int:
+        """Tokens sampled by all data-parallel ranks in this step (the same on every rank).
+
+        Summed over the mesh's ``data_parallel`` ranks (the ranks that play different tasks), then
+        the largest such sum over all ranks, so that every rank counts the same.
+        """
+        mesh = self.device_mesh
+        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+        if "data_parallel" in names and mesh["data_parallel"].size() < _world_size():
+            (tokens,) = self._all_reduce([tokens], group=mesh["data_parallel"].get_group())
+            (tokens,) = self._all_reduce([tokens], op="max")
+        else:
+            (tokens,) = self._all_reduce([tokens])
+        return int(tokens)
 
     # ------------------------------------------------------------------ environment and rollout
 
@@ -325,7 +408,12 @@ class OnPolicyModule(LightningModule):
 
     @torch.no_grad()
     def _sample(self, contexts: list[list[int]], max_tokens: int, greedy: bool) -> list[list[int]]:
-        """Sample one response per context: until ``<eos>`` (kept) or ``max_tokens`` tokens."""
+        """Sample one response per context: until ``<eos>`` (kept) or ``max_tokens`` tokens.
+
+        In lockstep (sharded, > 1 rank) sampling goes on until the responses of all ranks have
+        ended; the ended responses get no further tokens.
+        """
+        lockstep = self._lockstep()
         device = self.device
         length = max(len(c) for c in contexts)
         ids = torch.full((len(contexts), length), self.tokenizer.pad_id, dtype=torch.long)
@@ -348,7 +436,12 @@ class OnPolicyModule(LightningModule):
             for row in (~finished).nonzero().squeeze(1).tolist():
                 responses[row].append(int(tokens[row]))
             finished |= tokens == self.tokenizer.eos_id
-            if bool(finished.all()) or step == max_tokens - 1:
+            if step == max_tokens - 1:
+                break
+            done = bool(finished.all())
+            if lockstep:
+                done = self._all_reduce([float(done)], op="min")[0] == 1.0
+            if done:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
@@ -367,6 +460,10 @@ class OnPolicyModule(LightningModule):
     ) -> Rollout:
         """Play ``episodes_per_task`` episodes of each task with the current policy.
 
+        In lockstep (sharded, > 1 rank) a turn is played while any rank has an episode running;
+        a rank without one samples a response to ``<bos>`` alone and discards it, so that it takes
+        part in the same forward passes.
+
         Raises:
             ValueError: If the environment returns an invalid observation (naming the task
                 seed), or an episode has not ended after ``env.max_turns`` responses.
@@ -380,10 +477,17 @@ class OnPolicyModule(LightningModule):
             for ep, s in zip(episodes, seeds, strict=True)
         ]
         actions = [[0] * len(t) for t in tokens]
+        lockstep = self._lockstep()
         for _ in range(env.max_turns):
             active = [i for i, ep in enumerate(episodes) if not ep.done]
-            if not active:
+            running = bool(active)
+            if lockstep:
+                running = self._all_reduce([float(running)], op="max")[0] == 1.0
+            if not running:
                 break
+            if not active:  # another rank still plays: join its forward passes
+                self._sample([[self.tokenizer.bos_id]], env.max_action_tokens, greedy)
+                continue
             responses = self._sample([tokens[i] for i in active], env.max_action_tokens, greedy)
             for i, response in zip(active, responses, strict=True):
                 tokens[i] += response
@@ -581,10 +685,11 @@ class OnPolicyModule(LightningModule):
 
     def _rl_step(self, task_seeds: list[int], optimizer: Any) -> None:
         env = self.env
+        lockstep = self._lockstep()
         if not self.curve:
             self._evaluate_curve(env)
         if self.kl_coef > 0 and not self._reference:
-            self._reference.append(copy.deepcopy(self.model).eval().requires_grad_(False))
+            self._reference.append(self._frozen_policy())
         rollout = self.rollout(env, task_seeds, self.group_size)
         mask = rollout.action_mask[:, 1:].float()
         with torch.no_grad():
@@ -593,6 +698,8 @@ class OnPolicyModule(LightningModule):
             if self._reference:
                 ref = self._reference[0]
                 logits = ref(input_ids=rollout.input_ids, attention_mask=rollout.attention_mask)
+                if is_sharded(ref):
+                    ref.reshard()  # FSDP2 keeps the root gathered after a forward: free it
                 ref_all = torch.log_softmax(logits.logits[:, :-1].float() / self.temperature, -1)
                 ref_logp = ref_all.gather(-1, rollout.input_ids[:, 1:, None]).squeeze(-1)
         lengths = mask.sum(1)
@@ -623,7 +730,14 @@ class OnPolicyModule(LightningModule):
         diagnostics["clip_cov_fraction"] = []
         for _ in range(self.ppo_epochs):
             order = torch.randperm(num_episodes, device=self.device)
-            for rows in order.chunk(self.num_minibatches):
+            minibatches = order.chunk(self.num_minibatches)
+            missing = 0
+            if lockstep:
+                # Fewer episodes than another rank can mean fewer minibatches (chunk): make up
+                # the difference with updates whose loss is zero on this rank.
+                most = self._all_reduce([len(minibatches)], op="max")[0]
+                missing = int(most) - len(minibatches)
+            for rows in minibatches:
                 logp, _ = self.token_logprobs(rollout, rows)
                 loss, loss_stats = self.policy_loss(
                     logp,
@@ -636,8 +750,13 @@ class OnPolicyModule(LightningModule):
                 diagnostics["loss"].append(loss.detach())
                 for key, value in loss_stats.items():
                     diagnostics[key].append(value)
+            for _ in range(missing):
+                logp, _ = self.token_logprobs(rollout, minibatches[-1])
+                self._step(optimizer, logp.sum() * 0.0)
 
         new_tokens = int(lengths.sum())
+        if lockstep:  # the budget and the evaluation schedule must agree on all ranks
+            new_tokens = self._tokens_of_all_ranks(new_tokens)
         self.sampled_tokens += new_tokens
         self.rl_steps += 1
         response_entropy = float(surprisal_sum.sum() / rollout.responses.sum())
@@ -713,8 +832,15 @@ class OnPolicyModule(LightningModule):
     def _evaluate_curve(self, env: TextEnv) -> None:
         """Evaluate on the first ``eval_tasks`` validation tasks; log the success-curve metrics."""
         seeds = self.trainer.datamodule.tasks("val")[: self.eval_tasks]
-        success = float(self._success(env, seeds, greedy=False).success.mean())
-        greedy = float(self._success(env, seeds, greedy=True).success.mean())
+        sampled = self._success(env, seeds, greedy=False).success
+        greedy_runs = self._success(env, seeds, greedy=True).success
+        if self._lockstep():  # one curve on all ranks: the mean over their episodes
+            totals = [float(sampled.sum()), sampled.numel()]
+            totals += [float(greedy_runs.sum()), greedy_runs.numel()]
+            total, count, greedy_total, greedy_count = self._all_reduce(totals)
+            success, greedy = total / count, greedy_total / greedy_count
+        else:
+            success, greedy = float(sampled.mean()), float(greedy_runs.mean())
         self.curve.append((self.sampled_tokens, success))
         self.log_dict(
             {"val/success": torch.tensor(success), "val/success_greedy": torch.tensor(greedy)},
@@ -769,6 +895,7 @@ class OnPolicyModule(LightningModule):
                 f"{stage}/response_length": lengths.sum() / sampled.responses.sum(),
             },
             batch_size=len(seeds),
+            sync_dist=self._lockstep(),
         )
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
