@@ -16,9 +16,13 @@ All 2-rank runs share one forked pair of gloo processes. The full product runs a
 """
 
 import itertools
+import json
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +41,7 @@ from ada_modules.nn import ConnectivityWrapper
 from ada_modules.optim import AcceleGradSharp, Muon, Scion
 from ada_modules.strategies import AdERAStrategy
 
+REPO = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
 STEPS = 6
 BATCH = 8
@@ -279,3 +284,32 @@ def test_full_product(tmp_path):
     for row in (r for r in PRODUCT if r["strategy"] != "single"):
         for rank in range(WORLD_SIZE):
             _check(results[rank][_row_id(row)], row)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compose_yaml_fits_on_two_processes_then_tests_with_the_adakvq_cache(tmp_path):
+    """`ada fit -c cli_configs/compose/lm.yaml`, then `ada test ... cache.yaml --ckpt_path last`."""
+    configs = REPO / "cli_configs" / "compose"
+    ada = [str(Path(sys.executable).parent / "ada")]
+    quiet = ["--trainer.enable_progress_bar=false"]
+    fit = subprocess.run(
+        [*ada, "fit", "-c", str(configs / "lm.yaml"), *quiet, "--metrics_file=fit.json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    assert (tmp_path / "runs/compose_lm/aad/aad_profile.json").exists()
+    assert list((tmp_path / "runs/compose_lm").rglob("connectivity/*.png"))
+    fitted = json.loads((tmp_path / "fit.json").read_text())
+    assert fitted["train/adera_compressed_gathers"] > 0
+    test = subprocess.run(
+        [*ada, "test", "-c", str(configs / "lm.yaml"), "-c", str(configs / "cache.yaml"),
+         "--ckpt_path", "last", *quiet, "--metrics_file=test.json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert test.returncode == 0, test.stderr[-3000:]
+    metrics = json.loads((tmp_path / "test.json").read_text())
+    assert math.isfinite(metrics["test/loss"]) and 0 <= metrics["test/exact_match"] <= 1
+    # fp32 K and V of 4 layers x 64 channels: 2048 bytes per token. AdaKVQ stores 4.5 bits per
+    # element, but keeps its last 16 tokens in fp32: on these ~30-token prompts about 0.42 x FP.
+    assert metrics["test/kv_bytes_per_token"] < 2048 / 2
