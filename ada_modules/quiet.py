@@ -4,7 +4,9 @@ The ``ada`` command calls :func:`silence_third_party_noise` before it imports Li
 yourself at the top of a script for the same quiet output. Set ``ADA_VERBOSE=1`` to keep
 everything. What it hides: Lightning's advertising tips (litlogger, litmodels), its notice that
 tensorboardX is not a dependency, and the deprecations that Lightning's own code triggers with
-recent torch (``LeafSpec``) and jsonargparse (``add_instantiator`` and others). Warnings about the user's own code or config are kept.
+recent torch (``LeafSpec``) and jsonargparse (``add_instantiator`` and others), and the note that
+a checkpoint's ``TrainingCurves`` state is not restored by ``ada test`` (``ada`` adds that callback
+to ``fit`` only). Warnings about the user's own code or config are kept.
 
 Example:
     >>> from ada_modules.quiet import silence_third_party_noise
@@ -31,6 +33,10 @@ _NOISE_WARNINGS = (
     r"Starting from v1\.9\.0, `tensorboardX` has been removed",
     # Lightning's CLI calls jsonargparse functions deprecated since jsonargparse 4.49.
     r"\s*(``\w+(\.\w+)?``|skip_none parameter) was deprecated in v4\.",
+    # `ada test --ckpt_path` of an `ada fit` checkpoint: `ada` adds TrainingCurves to fit only.
+    r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint need to be "
+    r"provided during `Trainer` instantiation\. Please add the following callbacks: "
+    r'\["TrainingCurves\{[^}]*\}"\]\.$',
 )
 
 
