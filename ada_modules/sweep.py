@@ -20,12 +20,17 @@ A sweep spec is a YAML mapping; ``base`` and ``metrics`` are required::
         overrides: {model.init_args.hidden_size: 64}
       - name: large
         overrides: {model.init_args.hidden_size: 128, model.init_args.num_layers: 4}
+      - name: small_bf16_test        # stage_overrides: added last to one stage's call only,
+        overrides: {model.init_args.hidden_size: 64}  # e.g. test with a KV cache built from a
+        stage_overrides:             # profile that this run's fit writes
+          test: {trainer.precision: bf16-true}
     grid:                            # ... and/or a grid: the cartesian product of the values,
       model.init_args.num_heads: [2, 4]  # named `num_heads=2`, ... (combined with every variant)
     seeds: [0, 1]                    # set as `seed_everything`; default [0]
     metrics:                         # logged metric names to collect and compare
       - test/exact_match             # mode `max`, except names containing loss, err,
       - {name: test/gen_length, mode: min}  # perplexity, ppl, time or latency: those are `min`
+      - {name: train/adera_bytes_ratio, mode: min, required: false}  # may be missing: –
     quick:                           # overrides added to every run by `ada sweep --quick`
                                      # (after `overrides` and the variant's, so they win)
       trainer.max_steps: 20
@@ -164,6 +169,8 @@ class Metric:
     Args:
         name: The name the LightningModule logs, e.g. ``test/exact_match``.
         mode: ``max`` if higher is better, ``min`` if lower is better.
+        required: A run that did not log it failed (default); ``False``: the table shows ``–``
+            for such runs (e.g. all-gather statistics, which a one-process run has none of).
 
     Example::
 
@@ -173,6 +180,7 @@ class Metric:
 
     name: str
     mode: Literal["max", "min"] = "max"
+    required: bool = True
 
     @classmethod
     def parse(cls, entry: str | dict[str, Any]) -> Metric:
@@ -182,16 +190,18 @@ class Metric:
             return cls(entry, "min" if any(h in lowered for h in _MIN_HINTS) else "max")
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise InputError(f"expected a name or {{name, mode}}, got {entry!r}")
-        unknown = sorted(set(entry) - {"name", "mode"})
+        unknown = sorted(set(entry) - {"name", "mode", "required"})
         if unknown:
-            raise InputError(f"unknown key {unknown[0]!r} (allowed: name, mode)")
-        if "mode" not in entry:
-            return cls.parse(entry["name"])
-        if entry["mode"] not in ("max", "min"):
+            raise InputError(f"unknown key {unknown[0]!r} (allowed: name, mode, required)")
+        required = entry.get("required", True)
+        if not isinstance(required, bool):
             raise InputError(
-                f"mode of {entry['name']!r} must be 'max' or 'min', got {entry['mode']!r}"
+                f"required of {entry['name']!r} must be true or false, got {required!r}"
             )
-        return cls(entry["name"], entry["mode"])
+        mode = entry.get("mode", cls.parse(entry["name"]).mode)
+        if mode not in ("max", "min"):
+            raise InputError(f"mode of {entry['name']!r} must be 'max' or 'min', got {mode!r}")
+        return cls(entry["name"], mode, required)
 
 
 @dataclass(frozen=True)
@@ -200,6 +210,8 @@ class Variant:
 
     name: str
     overrides: dict[str, Any] = field(default_factory=dict)
+    stage_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Overrides added to one stage's call only, by stage (e.g. a KV cache for ``test``)."""
 
 
 @dataclass
@@ -294,7 +306,7 @@ class SweepSpec:
         if shared_fit is not None and "fit" in stages:
             raise fail("'stages' must not include 'fit' when a shared 'fit' stage is given")
 
-        variants = _variants(data, fail)
+        variants = _variants(data, stages, fail)
         seeds = _seeds(data.get("seeds", [0]), "seeds", fail)
         quick_seeds = None
         if "quick_seeds" in data:
@@ -444,7 +456,24 @@ def _seeds(value: object, where: str, fail: _Fail) -> list[int]:
     return list(value)
 
 
-def _variants(data: dict[str, Any], fail: _Fail) -> list[Variant]:
+def _stage_overrides(
+    value: object, i: int, stages: list[str], fail: _Fail
+) -> dict[str, dict[str, Any]]:
+    if not isinstance(value, dict):
+        raise fail(f"variants[{i}].stage_overrides must map stage names to overrides")
+    for stage in value:
+        if stage not in stages:
+            raise fail(
+                f"variants[{i}].stage_overrides: {stage!r} is not one of the spec's stages "
+                f"{list(stages)}"
+            )
+    return {
+        stage: _overrides(overrides, f"variants[{i}].stage_overrides.{stage}", fail)
+        for stage, overrides in value.items()
+    }
+
+
+def _variants(data: dict[str, Any], stages: list[str], fail: _Fail) -> list[Variant]:
     listed = [Variant("base")]
     if "variants" in data:
         entries = data["variants"]
@@ -454,15 +483,19 @@ def _variants(data: dict[str, Any], fail: _Fail) -> list[Variant]:
         for i, entry in enumerate(entries):
             if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
                 raise fail(f"variants[{i}] must be a mapping with a 'name' string")
-            unknown = sorted(set(entry) - {"name", "overrides"})
+            unknown = sorted(set(entry) - {"name", "overrides", "stage_overrides"})
             if unknown:
                 raise fail(
                     f"unknown key {unknown[0]!r} in variant {entry['name']!r}; "
-                    "allowed keys: name, overrides"
+                    "allowed keys: name, overrides, stage_overrides"
                 )
             where = f"variants[{i}].overrides"
             listed.append(
-                Variant(entry["name"], _overrides(entry.get("overrides") or {}, where, fail))
+                Variant(
+                    entry["name"],
+                    _overrides(entry.get("overrides") or {}, where, fail),
+                    _stage_overrides(entry.get("stage_overrides") or {}, i, stages, fail),
+                )
             )
     variants = listed
     if "grid" in data:
@@ -478,7 +511,7 @@ def _variants(data: dict[str, Any], fail: _Fail) -> list[Variant]:
             variants = points
         else:
             variants = [
-                Variant(f"{v.name},{p.name}", {**v.overrides, **p.overrides})
+                Variant(f"{v.name},{p.name}", {**v.overrides, **p.overrides}, v.stage_overrides)
                 for v in listed
                 for p in points
             ]
@@ -545,12 +578,14 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
         run_dir: Path,
         ckpt: Path | None,
         depends_on: _Run | None = None,
+        stage_overrides: dict[str, dict[str, Any]] | None = None,
     ) -> _Run:
         calls = []
+        stage_overrides = stage_overrides or {}
         for stage in stages:
             args = [
                 *config,
-                *override_args(overrides),
+                *override_args({**overrides, **stage_overrides.get(stage, {})}),
                 f"--seed_everything={seed}",
                 f"--trainer.default_root_dir={run_dir}",
             ]
@@ -562,8 +597,13 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
             args.append(f"--metrics_file={run_dir / f'{stage}.metrics.json'}")
             calls.append((stage, tuple(args)))
         shared = spec.shared_fit if depends_on is not None else None
+        # recorded (and compared when resuming) as "<stage>:<key>"
+        recorded = {
+            **overrides,
+            **{f"{st}:{k}": v for st, extra in stage_overrides.items() for k, v in extra.items()},
+        }
         return _Run(
-            variant, seed, overrides, tuple(stages), run_dir, tuple(calls), shared, depends_on
+            variant, seed, recorded, tuple(stages), run_dir, tuple(calls), shared, depends_on
         )
 
     fits = {}
@@ -581,7 +621,12 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
             ckpt = fit.run_dir / "checkpoints" / "last.ckpt" if fit else None
             overrides = {**spec.overrides, **variant.overrides, **extra}
             overrides = _with_folders(overrides, run_dir=run_dir, fit_dir=fit and fit.run_dir)
-            runs.append(make(variant.name, seed, overrides, spec.stages, run_dir, ckpt, fit))
+            per_stage = _with_folders(
+                variant.stage_overrides, run_dir=run_dir, fit_dir=fit and fit.run_dir
+            )
+            runs.append(
+                make(variant.name, seed, overrides, spec.stages, run_dir, ckpt, fit, per_stage)
+            )
     return list(fits.values()), runs
 
 
@@ -629,7 +674,7 @@ def _read_metrics(
         if not file.is_file():
             return merged, f"no metrics file {file} (did `ada {stage}` run?)"
         merged.update(json.loads(file.read_text(encoding="utf-8")))
-    missing = [m.name for m in metrics if m.name not in merged] if check else []
+    missing = [m.name for m in metrics if m.required and m.name not in merged] if check else []
     if missing:
         logged = ", ".join(sorted(merged)) or "nothing"
         return merged, f"metric {missing[0]!r} was not logged (logged: {logged})"

@@ -20,6 +20,7 @@ import yaml
 from jsonargparse import ArgumentParser
 
 from ada_modules import sweep
+from ada_modules.errors import InputError
 from ada_modules.sweep import (
     Metric,
     RunRecord,
@@ -644,3 +645,38 @@ def test_quick_profiles_write_the_images_their_specs_promise(spec_path, callback
     else:  # writes at each validation
         assert "validation" in found["init_args"]["loops"]
         assert trainer["val_check_interval"] <= trainer["max_steps"]
+
+
+def test_stage_overrides_apply_to_their_stage_only_and_are_recorded(tmp_path):
+    spec = write_spec(
+        tmp_path,
+        "variants:\n  - name: cache\n    overrides: {trainer.max_steps: 3}\n"
+        "    stage_overrides:\n      test: {model.init_args.scale: 2.0, x: '{run_dir}'}\n",
+    )
+    [run] = sweep._plan(SweepSpec.from_yaml(spec), tmp_path / "out", quick=False)[1]
+    (_, fit_args), (_, test_args) = run.calls
+    assert not any("scale" in a for a in fit_args)
+    assert "--model.init_args.scale=2.0" in test_args and f"--x={run.run_dir}" in test_args
+    assert "--trainer.max_steps=3" in fit_args and "--trainer.max_steps=3" in test_args
+    assert run.overrides["test:model.init_args.scale"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("stage_overrides: {predict: {trainer.max_steps: 1}}", "'predict' is not one of"),
+        ("stage_overrides: [1]", "must map stage names"),
+    ],
+)
+def test_bad_stage_overrides(tmp_path, entry, message):
+    spec = write_spec(tmp_path, f"variants:\n  - name: a\n    {entry}\n")
+    with pytest.raises(SweepSpecError, match=message):
+        SweepSpec.from_yaml(spec)
+
+
+def test_a_metric_that_is_not_required_may_be_missing():
+    metric = Metric.parse({"name": "train/adera_bytes_ratio", "required": False})
+    assert (metric.mode, metric.required) == ("max", False)
+    assert Metric.parse({"name": "val/loss", "required": True}) == Metric("val/loss", "min", True)
+    with pytest.raises(InputError, match="required of 'x' must be true or false"):
+        Metric.parse({"name": "x", "required": "no"})
