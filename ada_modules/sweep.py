@@ -175,7 +175,7 @@ class Metric:
     Example::
 
         >>> Metric.parse("val/loss")
-        Metric(name='val/loss', mode='min')
+        Metric(name='val/loss', mode='min', required=True)
     """
 
     name: str
