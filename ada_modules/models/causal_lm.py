@@ -31,7 +31,7 @@ from ada_modules.optim.param_groups import (
     split_param_groups,
     weight_decay_param_groups,
 )
-from ada_modules.strategies.sharding import is_sharded, shard_module
+from ada_modules.strategies.sharding import is_sharded, shard_module, world_size
 
 __all__ = ["CausalLMModule", "Generation", "build_causal_lm"]
 
@@ -41,11 +41,6 @@ ARCHITECTURES: dict[str, tuple[type[PreTrainedConfig], type[PreTrainedModel]]] =
 }
 """Model families built from a config: name -> (config class, model class)."""
 _EVAL_METRICS = ("loss", "exact_match", "gen_length", "tokens_per_s", "kv_bytes_per_token")
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class Generation(NamedTuple):
@@ -330,7 +325,7 @@ class CausalLMModule(LightningModule):
         kwargs: dict[str, Any] = {}
         if self.cache_factory is not None:
             kwargs["cache"] = self.cache_factory(config=self.model.config)
-        if is_sharded(self.model) and _world_size() > 1:
+        if is_sharded(self.model) and world_size() > 1:
             # Sharded: every rank must run the same number of forward passes.
             kwargs["synced_gpus"] = True
         if prompt_ids.is_cuda:

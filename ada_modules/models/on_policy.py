@@ -20,15 +20,11 @@ from ada_modules.models.causal_lm import ARCHITECTURES, build_causal_lm
 from ada_modules.optim.param_groups import weight_decay_param_groups
 from ada_modules.posttrain.advantages import ADVANTAGE_ESTIMATORS, RolloutStats, clip_cov_mask
 from ada_modules.posttrain.envs.base import TextEnv, Transcript
-from ada_modules.strategies.sharding import is_sharded, shard_module
+from ada_modules.strategies.sharding import is_sharded, shard_module, world_size
 
 __all__ = ["OnPolicyModule", "Rollout"]
 
 _LOSS_TYPES = ("token", "sequence", "dr_grpo")
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclass
@@ -334,7 +330,7 @@ class OnPolicyModule(LightningModule):
 
     def _lockstep(self) -> bool:
         """Whether all ranks must run the same forward passes: the policy is sharded, > 1 rank."""
-        return _world_size() > 1 and is_sharded(self.model)
+        return world_size() > 1 and is_sharded(self.model)
 
     def _all_reduce(self, values: list[float], op: str = "sum", group: Any = None) -> list[float]:
         """``values`` reduced over the ranks of ``group`` (all ranks by default)."""
@@ -371,7 +367,7 @@ class OnPolicyModule(LightningModule):
         """
         mesh = self.device_mesh
         names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
-        if "data_parallel" in names and mesh["data_parallel"].size() < _world_size():
+        if "data_parallel" in names and mesh["data_parallel"].size() < world_size():
             (tokens,) = self._all_reduce([tokens], group=mesh["data_parallel"].get_group())
             (tokens,) = self._all_reduce([tokens], op="max")
         else:

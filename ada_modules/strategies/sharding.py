@@ -42,6 +42,7 @@ __all__ = [
     "is_sharded",
     "shard_module",
     "sharding_mesh",
+    "world_size",
 ]
 
 ShardSpec = Sequence[type[nn.Module] | str]
@@ -61,6 +62,13 @@ def sharding_mesh(device_mesh: "DeviceMesh") -> "DeviceMesh":
     if "tensor_parallel" in names:
         return device_mesh["tensor_parallel"]
     return device_mesh
+
+
+def world_size() -> int:
+    """Processes in the default process group (1 when none is initialized)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def is_sharded(module: nn.Module) -> bool:
