@@ -14,6 +14,13 @@ Example:
 """
 
 from ada_modules.kernels._dispatch import Impl, interpreter_enabled, resolve_impl, triton_available
+from ada_modules.kernels.adkv_decode import (
+    ADKVTensor,
+    adkv_decode_attention,
+    adkv_decode_attention_reference,
+    adkv_dequantize,
+    adkv_dequantize_reference,
+)
 from ada_modules.kernels.int8_absmax import (
     dequantize_int8_absmax,
     dequantize_int8_absmax_reference,
@@ -53,4 +60,10 @@ __all__ = [
     "quantize_keys_reference",
     "quantize_values",
     "quantize_values_reference",
+    # adkv_decode
+    "ADKVTensor",
+    "adkv_decode_attention",
+    "adkv_decode_attention_reference",
+    "adkv_dequantize",
+    "adkv_dequantize_reference",
 ]
