@@ -34,7 +34,7 @@ from ada_modules.kernels._dispatch import Impl
 from ada_modules.kernels.kv_quant import SUPPORTED_BITS
 from ada_modules.kv.quantized_layer import QuantizedKVLayer, check_bits, check_group_size
 
-__all__ = ["KIVICache", "bits_argument", "per_layer_bits"]
+__all__ = ["KIVICache", "bits_argument", "full_attention_layers", "per_layer_bits"]
 
 
 def bits_argument(name: str, bits: object) -> int | list[int]:
@@ -81,6 +81,25 @@ def per_layer_bits(name: str, bits: int | Sequence[int], num_layers: int) -> lis
             f"{len(bits)} values: {bits}"
         )
     return bits
+
+
+def full_attention_layers(
+    config: PreTrainedConfig, cache_name: str
+) -> tuple[PreTrainedConfig, int]:
+    """The decoder text config and its number of layers, all of which must be full attention.
+
+    Raises:
+        InputError: Naming ``cache_name``, if the config has other layer types (sliding window,
+            linear attention, ...).
+    """
+    config = config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    unsupported = sorted(set(layer_types) - {"full_attention"})
+    if unsupported:
+        raise InputError(
+            f"{cache_name} supports only full-attention layers, the config has {unsupported}"
+        )
+    return config, len(layer_types)
 
 
 def _head_dim(config: PreTrainedConfig) -> int | None:
@@ -151,18 +170,12 @@ class KIVICache(Cache):
         check_group_size("key_group_size", key_group_size)
         check_group_size("value_group_size", value_group_size)
         if config is not None:
-            config = config.get_text_config(decoder=True)
-            layer_types, _ = get_layer_types_and_kwargs(config)
-            unsupported = sorted(set(layer_types) - {"full_attention"})
-            if unsupported:
+            config, layers_in_config = full_attention_layers(config, "KIVICache")
+            if num_layers is not None and num_layers != layers_in_config:
                 raise InputError(
-                    f"KIVICache supports only full-attention layers, the config has {unsupported}"
+                    f"num_layers={num_layers} disagrees with the config's {layers_in_config} layers"
                 )
-            if num_layers is not None and num_layers != len(layer_types):
-                raise InputError(
-                    f"num_layers={num_layers} disagrees with the config's {len(layer_types)} layers"
-                )
-            num_layers = len(layer_types)
+            num_layers = layers_in_config
             head_dim = _head_dim(config)
             if head_dim is not None and head_dim % value_group_size:
                 raise InputError(

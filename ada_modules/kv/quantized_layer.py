@@ -41,6 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl
+from ada_modules.kernels.adkv_decode import ADKVTensor, adkv_decode_attention, adkv_dequantize
 from ada_modules.kernels.kv_quant import (
     SUPPORTED_BITS,
     PackedTensor,
@@ -496,9 +497,10 @@ class LazyDequantizedStates(torch.Tensor):
         """The dequantized history and the window as one plain tensor (computed once)."""
         if self._value is None:
             parts = [
-                dequantize(s.keys if self.kind == "key" else s.values, impl=self.impl)
+                _dequantize_part(s.keys if self.kind == "key" else s.values, self.impl)
                 for s in self.segments
             ]
+            parts = [p.to(self.window.dtype) for p in parts]  # ADKV decodes to fp32
             self._value = torch.cat([*parts, self.window], dim=-2)
         return self._value
 
@@ -512,6 +514,13 @@ class LazyDequantizedStates(torch.Tensor):
             return t.materialize() if isinstance(t, LazyDequantizedStates) else t
 
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def _dequantize_part(part: PackedTensor | ADKVTensor, impl: Impl) -> torch.Tensor:
+    """Dequantize one half of a history segment: group-wise packed codes or ADKV codes."""
+    if isinstance(part, ADKVTensor):
+        return adkv_dequantize(part, impl=impl)
+    return dequantize(part, impl=impl)
 
 
 def _key_mask(attention_mask: torch.Tensor | None, keys: int) -> torch.Tensor | None:
@@ -542,7 +551,9 @@ def quantized_kv_attention(
     history, it calls :func:`~ada_modules.kernels.kv_quant.decode_attention` on the packed
     segments and the full-precision window (the fused Triton kernel on CUDA) and, when the layer
     sets ``records_decode_lse``, hands the per-segment log-sum-exps to its
-    ``observe_decode_lse``; everything else (prefill, caches of other types, dropout) goes to
+    ``observe_decode_lse``; for an :class:`~ada_modules.kv.ADKVLayer` it calls the fused ADKV
+    decode attention (:func:`~ada_modules.kernels.adkv_decode.adkv_decode_attention`) on the
+    delta codes instead. Everything else (prefill, caches of other types, dropout) goes to
     transformers' SDPA attention.
 
     Args:
@@ -566,13 +577,27 @@ def quantized_kv_attention(
         and isinstance(value, LazyDequantizedStates)
         and dropout == 0.0
     ):
+        key_mask = _key_mask(attention_mask, key.shape[-2])
+        if isinstance(key.segments[0].keys, ADKVTensor):  # one delta-coded history (ADKVLayer)
+            (history,) = key.segments
+            out = adkv_decode_attention(
+                query[:, :, 0],
+                history.keys,
+                history.values,
+                key.window,
+                value.window,
+                key_mask,
+                scaling,
+                impl=key.impl,
+            )
+            return out.unsqueeze(1), None
         record = key.layer is not None and key.layer.records_decode_lse
         out = decode_attention(
             query[:, :, 0],
             key.segments,
             key.window,
             value.window,
-            _key_mask(attention_mask, key.shape[-2]),
+            key_mask,
             scaling,
             return_lse=record,
             impl=key.impl,
