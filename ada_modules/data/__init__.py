@@ -1,26 +1,57 @@
 """LightningDataModules whose data is generated from a seed (no files, no downloads).
 
 Every sequence task shares :class:`CharTokenizer`, so one model fits all of them, and derives from
-:class:`SequenceTaskDataModule`, so their batches have the same keys.
+:class:`SequenceTaskDataModule`, so their batches have the same keys. KV-cache data for ADKV:
+:class:`RopeDriftDataModule` generates keys with drifting RoPE outlier channels, and
+:class:`CapturedKVDataModule` serves the keys, values and queries that :func:`capture_kv` records
+from a Hugging Face model.
 """
 
 from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpad
 from ada_modules.data.digits import DigitsDataModule
 from ada_modules.data.env_tasks import EnvTaskDataModule
+from ada_modules.data.kv_capture import (
+    CAPTURE_ATTENTION,
+    CapturedKV,
+    CapturedKVDataModule,
+    capture_attention,
+    capture_kv,
+    load_captured_kv,
+    save_captured_kv,
+)
 from ada_modules.data.recall import RecallDataModule
+from ada_modules.data.rope_drift import (
+    RopeDriftDataModule,
+    RopeDriftSample,
+    apply_rope,
+    drift_statistics,
+    rope_drift_kv,
+)
 from ada_modules.data.sequence_task import SequenceCollator, SequenceExample, SequenceTaskDataModule
 from ada_modules.data.split_datamodule import SplitDataModule
 from ada_modules.data.tokenizer import CharTokenizer
 
 __all__ = [
     "ArithmeticDataModule",
+    "CAPTURE_ATTENTION",
+    "CapturedKV",
+    "CapturedKVDataModule",
     "CharTokenizer",
     "DigitsDataModule",
     "EnvTaskDataModule",
     "RecallDataModule",
+    "RopeDriftDataModule",
+    "RopeDriftSample",
     "SequenceCollator",
     "SequenceExample",
     "SequenceTaskDataModule",
     "SplitDataModule",
     "addition_scratchpad",
+    "apply_rope",
+    "capture_attention",
+    "capture_kv",
+    "drift_statistics",
+    "load_captured_kv",
+    "rope_drift_kv",
+    "save_captured_kv",
 ]
