@@ -1,6 +1,7 @@
 """Lightning Callbacks, one per file, drop-in for any ``Trainer`` (profilers, monitors, bars)."""
 
 from ada_modules.callbacks.aad_profiler import AADProfiler
+from ada_modules.callbacks.adkv_calibration import ADKVCalibration
 from ada_modules.callbacks.connectivity_monitor import ConnectivityMonitor
 from ada_modules.callbacks.progress_bar import BudgetProgressBar
 from ada_modules.callbacks.summary import fit_summary
@@ -8,6 +9,7 @@ from ada_modules.callbacks.training_curves import TrainingCurves
 
 __all__ = [
     "AADProfiler",
+    "ADKVCalibration",
     "BudgetProgressBar",
     "ConnectivityMonitor",
     "TrainingCurves",

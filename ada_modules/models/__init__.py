@@ -4,9 +4,16 @@ Techniques plug into a module through its init args (a cache factory, an attenti
 implementation, an optimizer), so a baseline and a technique differ by one YAML key.
 """
 
+from ada_modules.models.adkv_calibration import ADKVCalibrationModule
 from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.models.moe import MoELMModule
 from ada_modules.models.on_policy import OnPolicyModule
 
-__all__ = ["CausalLMModule", "ImageClassifierModule", "OnPolicyModule", "MoELMModule"]
+__all__ = [
+    "ADKVCalibrationModule",
+    "CausalLMModule",
+    "ImageClassifierModule",
+    "OnPolicyModule",
+    "MoELMModule",
+]
