@@ -25,8 +25,15 @@ from ada_modules.callbacks import TrainingCurves
 from ada_modules.cli import main
 from ada_modules.data import ArithmeticDataModule, RecallDataModule
 from ada_modules.errors import InputError
-from ada_modules.kv import AADAccumulator, AdaKVQCache, KIVICache
-from ada_modules.models import CausalLMModule
+from ada_modules.kv import (
+    AADAccumulator,
+    AdaKVQCache,
+    ADKVCache,
+    ADKVEncoder,
+    ADKVParams,
+    KIVICache,
+)
+from ada_modules.models import ADKVCalibrationModule, CausalLMModule
 from ada_modules.nn import wrap_timm
 from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
 from ada_modules.optim.param_groups import check_param_coverage
@@ -36,6 +43,16 @@ REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "bad-input.md"
 QUICKSTART = "cli_configs/quickstart.yaml"
 TINY = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.callbacks=[]"]
+
+
+def _calibrate_on_wrong_head_dim() -> None:
+    module = ADKVCalibrationModule(num_heads=2, head_dim=16, bits=2)
+    batch = {
+        "keys": torch.randn(1, 2, 32, 64),
+        "values": torch.randn(1, 2, 32, 64),
+        "queries": torch.randn(1, 2, 4, 64),
+    }
+    module.training_step(batch, 0)
 
 
 @dataclass(frozen=True)
@@ -239,6 +256,30 @@ CASES = [
                 _tiny_llama_config(), profile=str(_nan_profile(tmp)), budget=3.0
             )
         ),
+    ),
+    Case(
+        "caches",
+        "`ADKVCache(config, key_bits=5)`",
+        _raises(lambda tmp: ADKVCache(_tiny_llama_config(), key_bits=5)),
+    ),
+    Case(
+        "caches",
+        "`ADKVCache(config, keyframe_period=0)`",
+        _raises(lambda tmp: ADKVCache(_tiny_llama_config(), keyframe_period=0)),
+    ),
+    Case(
+        "caches",
+        "`ADKVEncoder(params).append(x)` with a NaN in `x`",
+        _raises(
+            lambda tmp: ADKVEncoder(ADKVParams.default(2)).append(
+                torch.tensor([[[[0.0, float("nan")]]]])
+            )
+        ),
+    ),
+    Case(
+        "caches",
+        "`ADKVCalibrationModule(num_heads=2, head_dim=16)` fitted on keys of head dim 64",
+        _raises(lambda tmp: _calibrate_on_wrong_head_dim()),
     ),
     Case(
         "optimizers",

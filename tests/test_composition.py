@@ -6,7 +6,7 @@ entry, see docs/contributing.md):
 - ``STRATEGIES``: one process, Lightning's FSDP2 ``ModelParallelStrategy`` on 2 ranks, AdERA on 2;
 - ``OPTIMIZERS``: AdamW, AcceleGrad#, Scion, Muon on the hidden matrices chained with AdamW;
 - ``WRAPPERS``: none, ANCRe's ``ConnectivityWrapper``;
-- ``CACHES`` (at test): transformers' ``DynamicCache``, KIVI, AdaKVQ.
+- ``CACHES`` (at test): transformers' ``DynamicCache``, KIVI, AdaKVQ, ADKV.
 
 :func:`pairwise_rows` picks rows of the product that together hold every pair of values of
 two factors (greedy all-pairs); each row fits a tiny Llama ``CausalLMModule`` on one fixed recall
@@ -35,7 +35,7 @@ from transformers import DynamicCache
 
 from ada_modules.callbacks import ConnectivityMonitor
 from ada_modules.data import RecallDataModule
-from ada_modules.kv import AdaKVQCache, KIVICache
+from ada_modules.kv import AdaKVQCache, ADKVCache, KIVICache
 from ada_modules.models import CausalLMModule
 from ada_modules.nn import ConnectivityWrapper
 from ada_modules.optim import AcceleGradSharp, Muon, Scion
@@ -81,6 +81,7 @@ CACHES: dict[str, Callable[..., Any]] = {
     "adakvq": partial(
         AdaKVQCache, profile=[0.6, 0.3], budget=5.0, key_group_size=16, residual_length=16
     ),
+    "adkv": partial(ADKVCache, key_bits=2, value_bits=4, residual_length=16, keyframe_period=32),
 }
 FACTORS = {
     "strategy": list(STRATEGIES),
