@@ -39,6 +39,11 @@ from ada_modules.kernels.kv_quant import (
     quantize_values,
     quantize_values_reference,
 )
+from ada_modules.kernels.sparse_prefill import (
+    block_mask_to_indices,
+    sparse_prefill_attention,
+    sparse_prefill_attention_reference,
+)
 
 __all__ = [
     "Impl",
@@ -66,4 +71,8 @@ __all__ = [
     "adkv_decode_attention_reference",
     "adkv_dequantize",
     "adkv_dequantize_reference",
+    # sparse_prefill
+    "block_mask_to_indices",
+    "sparse_prefill_attention",
+    "sparse_prefill_attention_reference",
 ]
