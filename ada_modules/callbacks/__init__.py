@@ -4,6 +4,7 @@ from ada_modules.callbacks.aad_profiler import AADProfiler
 from ada_modules.callbacks.adkv_calibration import ADKVCalibration
 from ada_modules.callbacks.connectivity_monitor import ConnectivityMonitor
 from ada_modules.callbacks.progress_bar import BudgetProgressBar
+from ada_modules.callbacks.sparse_prefill_monitor import SparsePrefillMonitor
 from ada_modules.callbacks.summary import fit_summary
 from ada_modules.callbacks.training_curves import TrainingCurves
 
@@ -12,6 +13,7 @@ __all__ = [
     "ADKVCalibration",
     "BudgetProgressBar",
     "ConnectivityMonitor",
+    "SparsePrefillMonitor",
     "TrainingCurves",
     "fit_summary",
 ]
