@@ -7,19 +7,18 @@
 - :mod:`~ada_modules.attention.baselines`: :class:`DensePolicy`, :class:`AShapePolicy`,
   :class:`VerticalSlashPolicy`, :class:`FlexPrefillPolicy`, :class:`BlockTopKPolicy`,
 - :mod:`~ada_modules.attention.adacal`: :class:`AdaCalPolicy` (head activation, mid-zone
-  augmentation, task dispatch by :class:`TaskDispatcher`) and its :class:`AdaCalConfig`,
+  augmentation, task dispatch) and its :class:`AdaCalConfig`,
+- :mod:`~ada_modules.attention.dispatch`: :class:`TaskDispatcher`, the coarse task dispatch,
 - :mod:`~ada_modules.attention.interface`: importing this package registers one transformers
   attention function per policy (``attn_implementation="adacal"``, ``"sparse_a_shape"``, ...).
 """
 
 from ada_modules.attention.adacal import (
-    DISPATCH_FEATURES,
     AdaCalConfig,
     AdaCalPolicy,
     RegimeParams,
     RetrievalParams,
     StructureParams,
-    TaskDispatcher,
 )
 from ada_modules.attention.baselines import (
     AShapePolicy,
@@ -28,6 +27,7 @@ from ada_modules.attention.baselines import (
     FlexPrefillPolicy,
     VerticalSlashPolicy,
 )
+from ada_modules.attention.dispatch import DISPATCH_FEATURES, REGIMES, TaskDispatcher
 from ada_modules.attention.interface import (
     SPARSE_PREFILL_POLICIES,
     SparsePrefillCall,
@@ -59,6 +59,7 @@ from ada_modules.attention.probe import (
 
 __all__ = [
     "DISPATCH_FEATURES",
+    "REGIMES",
     "SPARSE_PREFILL_POLICIES",
     "AShapePolicy",
     "AdaCalConfig",

@@ -51,7 +51,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ada_modules.attention.adacal import AdaCalPolicy, TaskDispatcher
+from ada_modules.attention.adacal import AdaCalPolicy
 from ada_modules.attention.baselines import (
     AShapePolicy,
     BlockTopKPolicy,
@@ -59,6 +59,7 @@ from ada_modules.attention.baselines import (
     FlexPrefillPolicy,
     VerticalSlashPolicy,
 )
+from ada_modules.attention.dispatch import TaskDispatcher
 from ada_modules.attention.plan import SparsePrefillPolicy, plan_density
 from ada_modules.errors import InputError
 from ada_modules.kernels.sparse_prefill import sparse_prefill_attention
