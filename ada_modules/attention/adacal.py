@@ -493,7 +493,7 @@ class AdaCalPolicy:
             allowed = causal & real[:, None, None, :]
             share = self._slash_share(*peaks)[:, :, None, None]
             rows = _probe_rows(probe, allowed, share, q_len, k_len, size)
-            cap = (config.max_density * causal.sum(-1)).floor().long().clamp_min(1)
+            cap = (config.max_density * allowed.sum(-1)).floor().long().clamp_min(1)
             last_row = (probe.last_query // size)[:, None, None, None]
             estimate = pooled.gather(2, last_row.expand(-1, heads, 1, k_blocks))[:, :, 0]
             trusted = js_divergence(estimate, p).sqrt() < config.tau_pooled

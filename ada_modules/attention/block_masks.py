@@ -190,8 +190,9 @@ def fit_budget(
     while bool((low < high).any()):
         middle = (low + high) // 2
         reached = density(middle) >= target_density
+        done = reached | (low >= high)  # converged entries stay put
         high = torch.where(reached, middle, high)
-        low = torch.where(reached, low, middle + 1)
+        low = torch.where(done, low, middle + 1)
     below = (low - 1).clamp_min(0)
     below_nearer = (density(below) - target_density).abs() < (density(low) - target_density).abs()
     return torch.where(below_nearer, below, low)

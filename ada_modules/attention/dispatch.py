@@ -8,6 +8,7 @@ attention call: a threshold rule by default, or a logistic regression fitted on 
 reads).
 """
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -86,13 +87,18 @@ class TaskDispatcher:
         keys = {"weight", "bias", "mean", "std"}
         if not isinstance(logistic, Mapping) or set(logistic) != keys:
             raise InputError(f"logistic must be a dict with keys {sorted(keys)}, got {logistic!r}")
-        out = {"bias": float(logistic["bias"])}
+        try:
+            out = {"bias": float(logistic["bias"])}
+            for name in ("weight", "mean", "std"):
+                out[name] = [float(v) for v in logistic[name]]
+        except (TypeError, ValueError) as error:
+            raise InputError(f"logistic values must be numbers, got {logistic!r}") from error
         for name in ("weight", "mean", "std"):
-            values = [float(v) for v in logistic[name]]
-            if len(values) != n:
-                raise InputError(f"logistic[{name!r}] must have {n} values, got {len(values)}")
-            out[name] = values
-        if min(out["std"]) <= 0:
+            if len(out[name]) != n:
+                raise InputError(f"logistic[{name!r}] must have {n} values, got {len(out[name])}")
+        if not all(math.isfinite(v) for v in [out["bias"], *out["weight"], *out["mean"]]):
+            raise InputError(f"logistic values must be finite, got {logistic!r}")
+        if not min(out["std"]) > 0 or not all(math.isfinite(v) for v in out["std"]):
             raise InputError(f"logistic['std'] must be positive, got {out['std']}")
         return out
 
@@ -189,6 +195,11 @@ class TaskDispatcher:
         """Rebuild a dispatcher from :meth:`state_dict`."""
         if not isinstance(state, Mapping):
             raise InputError(f"a dispatcher state must be a dict, got {state!r}")
+        unknown = sorted(
+            set(state) - {"peaky_threshold", "mid_mass_threshold", "slash_threshold", "logistic"}
+        )
+        if unknown:
+            raise InputError(f"a dispatcher state has unknown keys {unknown}")
         return cls(**state)
 
     def __repr__(self) -> str:

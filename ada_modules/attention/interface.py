@@ -19,7 +19,9 @@ The policy is built from the model config's ``sparse_prefill`` attribute (a dict
 keyword arguments; absent: the defaults), once per attention module, or set on a model with
 :func:`set_sparse_prefill_policy`. A call takes the sparse path only for a prefill (more than one
 query) of at least ``policy.min_sparse_length`` keys without gradients or dropout; decode steps,
-short prompts and training run transformers' SDPA attention. The sparse path plans the call's
+short prompts and training run transformers' SDPA attention, and so do layers that need more
+than causal attention with padding (a sliding window, logit softcapping, attention sinks or a
+non-causal module: a warning says so). The sparse path plans the call's
 blocks, runs :func:`~ada_modules.kernels.sparse_prefill.sparse_prefill_attention` (Triton on CUDA,
 the torch reference on CPU), and reports the plan to every active :func:`record_sparse_prefill`.
 
@@ -40,6 +42,7 @@ Example:
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,7 +186,14 @@ def policy_from_config(name: str, options: dict[str, Any] | None) -> SparsePrefi
         path = Path(dispatch_path)
         if not path.is_file():
             raise InputError(f"dispatch_path {str(path)!r} is not a file")
-        options["dispatcher"] = TaskDispatcher.from_dict(json.loads(path.read_text()))
+        try:
+            state = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise InputError(f"dispatch_path {str(path)!r} is not JSON: {error}") from error
+        try:
+            options["dispatcher"] = TaskDispatcher.from_dict(state)
+        except InputError as error:
+            raise InputError(f"dispatch_path {str(path)!r}: {error}") from error
     try:
         return SPARSE_PREFILL_POLICIES[name](**options)
     except TypeError as error:
@@ -246,6 +256,14 @@ def _key_padding_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.
     return last
 
 
+def _unsupported_features(module: nn.Module, kwargs: dict[str, Any]) -> list[str]:
+    """What an attention call asks for beyond causal attention with padding (see the module)."""
+    features = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name)]
+    if not getattr(module, "is_causal", True):
+        features.append("non-causal attention")
+    return features
+
+
 def _dense_flops(batch: int, heads: int, q_len: int, k_len: int, head_dim: int) -> int:
     causal_pairs = q_len * (k_len - q_len) + q_len * (q_len + 1) // 2
     return 2 * batch * heads * causal_pairs * head_dim
@@ -279,8 +297,16 @@ def sparse_prefill_forward(
     """
     policy = _policy_for(module)
     q_len, k_len = query.shape[2], key.shape[2]
+    unsupported = _unsupported_features(module, kwargs)
+    if unsupported:
+        warnings.warn(
+            f"sparse prefill does not support {unsupported} ({type(module).__name__}); "
+            "this layer runs SDPA attention",
+            stacklevel=2,
+        )
     if (
-        q_len == 1
+        unsupported
+        or q_len == 1
         or k_len < policy.min_sparse_length
         or dropout > 0.0
         or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
@@ -308,7 +334,7 @@ def sparse_prefill_forward(
             layer_idx=getattr(module, "layer_idx", -1),
             q_len=q_len,
             k_len=k_len,
-            density=plan_density(plan.block_mask, q_len, k_len, plan.block_size),
+            density=plan_density(plan.block_mask, q_len, k_len, plan.block_size, key_padding_mask),
             regime=plan.regime,
             probe_flops=plan.probe_flops,
             dense_flops=_dense_flops(batch, heads, q_len, k_len, head_dim),

@@ -41,20 +41,36 @@ def plan_density(
     q_len: int,
     k_len: int,
     block_size: int,
+    key_padding_mask: torch.Tensor | None = None,
 ) -> float:
     """Computed blocks over causal blocks (1.0 for the dense plan), over the whole batch and heads.
 
-    Blocks of the mask outside the causal region are not counted: they cost nothing.
+    Blocks of the mask outside the causal region are not counted: they cost nothing. With a
+    ``key_padding_mask`` (boolean ``(batch, k_len)``, ``True`` for real keys), key blocks made
+    only of padding are left out of both counts, as the kernel skips them.
+
+    Example:
+        >>> mask = causal_block_mask(2, 1, 64, 64, block_size=16)
+        >>> mask[1, :, :, 1:] = False  # the second element keeps only its first key block
+        >>> padding = torch.ones(2, 64, dtype=torch.bool)
+        >>> padding[0, 48:] = False  # the first element's last key block is padding
+        >>> plan_density(mask, 64, 64, 16), plan_density(mask, 64, 64, 16, padding)
+        (0.7, 0.6842105263157895)
     """
     batch, heads = block_mask.shape[:2]
-    causal = causal_block_mask(1, 1, q_len, k_len, block_size, block_mask.device)[0, 0]
-    if block_mask.shape[-2:] != causal.shape:
+    causal = causal_block_mask(1, 1, q_len, k_len, block_size, block_mask.device)[0]
+    if block_mask.shape[-2:] != causal.shape[-2:]:
         raise InputError(
-            f"block_mask has {tuple(block_mask.shape[-2:])} blocks, expected {tuple(causal.shape)}"
-            f" for q_len={q_len}, k_len={k_len}, block_size={block_size}"
+            f"block_mask has {tuple(block_mask.shape[-2:])} blocks, expected "
+            f"{tuple(causal.shape[-2:])} for q_len={q_len}, k_len={k_len}, block_size={block_size}"
         )
-    computed = (block_mask & causal).sum().item()
-    return computed / (causal.sum().item() * batch * heads)
+    counted = causal.expand(batch, -1, -1, -1)
+    if key_padding_mask is not None:
+        padded = torch.nn.functional.pad(key_padding_mask, (0, -k_len % block_size))
+        real = padded.view(batch, -1, block_size).any(-1)  # (batch, key blocks)
+        counted = counted & real[:, None, None, :]
+    computed = (block_mask & counted).sum().item()
+    return computed / (counted.sum().item() * heads)
 
 
 @dataclass

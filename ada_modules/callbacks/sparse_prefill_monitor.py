@@ -91,10 +91,11 @@ class SparsePrefillMonitor(Callback):
             model = self._model(pl_module)
             previous = model.config._attn_implementation
             policy = policy_from_config(self.attn_implementation, self.sparse_prefill)
-            model.set_attn_implementation(self.attn_implementation)
-            set_sparse_prefill_policy(model, policy)
+            # each undo is registered before its change, so a failure leaves the model as it was
             self._loop.callback(model.set_attn_implementation, previous)
+            model.set_attn_implementation(self.attn_implementation)
             self._loop.callback(set_sparse_prefill_policy, model, None)
+            set_sparse_prefill_policy(model, policy)
         self.log = self._loop.enter_context(record_sparse_prefill())
 
     def _stop(self) -> None:

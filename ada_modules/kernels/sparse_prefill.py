@@ -416,11 +416,12 @@ if triton_available():
         d_valid = offs_d < HEAD_DIM
         q_pos = offset + offs_m
         first_pos = offset + tile * BLOCK_M
+        rows64 = offs_m.to(tl.int64)  # pointer offsets in int64: length * stride may pass 2**31
         q = tl.load(
             q_ptr
             + b * stride_qb
             + h * stride_qh
-            + offs_m[:, None] * stride_qm
+            + rows64[:, None] * stride_qm
             + offs_d[None, :] * stride_qd,
             mask=m_valid[:, None] & d_valid[None, :],
             other=0.0,
@@ -440,8 +441,9 @@ if triton_available():
                 offs_n = start + tl.arange(0, BLOCK_N)
                 n_valid = offs_n < k_len
                 kv_mask = n_valid[:, None] & d_valid[None, :]
+                keys64 = offs_n.to(tl.int64)
                 k = tl.load(
-                    k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    k_base + keys64[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                     mask=kv_mask,
                     other=0.0,
                 )
@@ -457,7 +459,7 @@ if triton_available():
                 p = tl.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 v = tl.load(
-                    v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    v_base + keys64[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=kv_mask,
                     other=0.0,
                 )
@@ -468,7 +470,7 @@ if triton_available():
             o_ptr
             + b * stride_ob
             + h * stride_oh
-            + offs_m[:, None] * stride_om
+            + rows64[:, None] * stride_om
             + offs_d[None, :] * stride_od,
             out.to(o_ptr.dtype.element_ty),
             mask=m_valid[:, None] & d_valid[None, :],

@@ -144,6 +144,20 @@ def test_batch_with_left_padding_plans_each_element_like_alone():
         assert torch.allclose(batched.stats[name][:1].float(), value.float(), atol=1e-5), name
 
 
+@pytest.mark.parametrize("max_density", [1.0, 0.3])
+def test_a_left_padded_element_gets_the_plan_of_its_unpadded_sequence(max_density):
+    query, key = _layer(_positional(), _needle())
+    pad = 2 * BLOCK
+    mask = torch.ones(1, LENGTH, dtype=torch.bool)
+    mask[0, :pad] = False
+    policy = AdaCalPolicy(block_size=BLOCK, min_sparse_length=0, max_density=max_density)
+    padded = policy.plan(query, key, key_padding_mask=mask, scaling=1.0)
+    unpadded = _plan(policy, query[:, :, pad:], key[:, :, pad:])
+    skip = pad // BLOCK
+    assert torch.equal(padded.block_mask[:, :, skip:, skip:], unpadded.block_mask)
+    assert padded.regime == unpadded.regime
+
+
 def test_config_round_trips_and_yaml_overrides_single_fields():
     config = AdaCalConfig(block_size=32, retrieval={"gamma": 0.97})
     assert config.retrieval == dataclasses.replace(RetrievalParams(), gamma=0.97)

@@ -15,6 +15,7 @@ from ada_modules.attention import (
     diagonal_block_mask,
     plan_density,
 )
+from ada_modules.attention.block_masks import fit_budget
 from ada_modules.errors import InputError
 
 BLOCK = 32
@@ -141,3 +142,13 @@ def test_flexprefill_tau_zero_makes_every_head_vertical_slash(seed):
 def test_bad_constructor_arguments_raise_input_error(make, message):
     with pytest.raises(InputError, match=message):
         make()
+
+
+def test_fit_budget_stays_within_max_budget_when_the_target_is_out_of_reach():
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+
+    def build(budget):  # head 0 saturates at one block per row; head 1 is always full
+        capped = torch.arange(4) < budget[0, 0].clamp(max=1)
+        return torch.stack([capped.expand(4, 4), torch.ones(4, 4, dtype=torch.bool)])[None]
+
+    assert fit_budget(build, 8, 0.9, causal, (1, 2)).tolist() == [[8, 0]]

@@ -101,7 +101,7 @@ def test_set_policy_wins_over_the_config():
 
 
 def test_dispatch_path_loads_a_fitted_dispatcher(tmp_path):
-    features = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]] * 4)[:, : _n_features()]
+    features = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]] * 4)
     dispatcher = TaskDispatcher().fit(features, torch.tensor([0, 1] * 4))
     path = tmp_path / "dispatch.json"
     path.write_text(json.dumps(dispatcher.state_dict()))
@@ -110,10 +110,55 @@ def test_dispatch_path_loads_a_fitted_dispatcher(tmp_path):
     assert policy.dispatcher.state_dict() == dispatcher.state_dict()
 
 
-def _n_features() -> int:
-    from ada_modules.attention import DISPATCH_FEATURES
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "is not JSON"),
+        ('{"thresholds": 1}', "unknown keys"),
+        (
+            '{"logistic": {"weight": [NaN, 0, 0, 0], "bias": 0, "mean": [0, 0, 0, 0],'
+            ' "std": [1, 1, 1, 1]}}',
+            "must be finite",
+        ),
+        (
+            '{"logistic": {"weight": ["a", 0, 0, 0], "bias": 0, "mean": [0, 0, 0, 0],'
+            ' "std": [1, 1, 1, 1]}}',
+            "must be numbers",
+        ),
+    ],
+)
+def test_a_bad_dispatch_file_is_named(tmp_path, text, message):
+    path = tmp_path / "dispatch.json"
+    path.write_text(text)
+    with pytest.raises(InputError, match=f"dispatch_path .*{message}"):
+        policy_from_config("adacal", {**SPARSE, "dispatch_path": str(path)})
 
-    return len(DISPATCH_FEATURES)
+
+def test_sliding_window_layers_run_sdpa_with_a_warning():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    kwargs = {
+        "vocab_size": 40,
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "sliding_window": 16,
+    }
+    reference = MistralForCausalLM(MistralConfig(**kwargs, attn_implementation="sdpa")).eval()
+    sparse = MistralForCausalLM(
+        MistralConfig(**kwargs, attn_implementation="adacal", sparse_prefill=SPARSE)
+    ).eval()
+    sparse.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 40, (1, 64))
+    with torch.no_grad(), record_sparse_prefill() as log:
+        expected = reference(ids).logits
+        with pytest.warns(UserWarning, match="sliding_window"):
+            got = sparse(ids).logits
+    assert log.calls == [] and log.dense_fallbacks == 1
+    torch.testing.assert_close(got, expected)
 
 
 @pytest.mark.parametrize(
