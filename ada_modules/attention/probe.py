@@ -535,26 +535,36 @@ def real_key_blocks(
 def pooled_keys(
     key: torch.Tensor, block_size: int, key_padding_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Mean of the real keys of each key block: ``(batch, kv_heads, k_blocks, head_dim)``.
+    """Mean of the real keys of each key block: ``(batch, kv_heads, k_blocks, head_dim)``, fp32.
 
     Blocks made only of padding get zeros.
     """
-    batch, _, k_len, _ = key.shape
-    real = (
-        torch.ones(batch, k_len, device=key.device)
-        if key_padding_mask is None
-        else key_padding_mask.float()
-    )
-    return _pool(key.float(), real, block_size)
+    return _pool(key, key_padding_mask, block_size)
 
 
-def _pool(x: torch.Tensor, real: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Mean over the real positions of each block of ``x`` ``(B, H, L, D)``; ``real`` ``(B, L)``."""
-    length = x.shape[2]
-    pad = num_blocks(length, block_size) * block_size - length
-    summed = F.pad(x * real[:, None, :, None], (0, 0, 0, pad)).unflatten(2, (-1, block_size))
-    count = _block_sum(real, block_size)  # (B, blocks)
-    return summed.sum(3) / count.clamp_min(1)[:, None, :, None]
+def _pool(x: torch.Tensor, real: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    """Mean over the real positions of each block of ``x`` ``(B, H, L, D)``, in fp32.
+
+    ``real`` is a boolean ``(B, L)`` or ``None`` (every position real). Sums accumulate in fp32
+    from ``x``'s own dtype, without an fp32 copy of ``x`` (at 128K tokens that copy would be
+    gigabytes per layer).
+    """
+    batch, _, length, _ = x.shape
+    if real is not None:
+        x = x * real[:, None, :, None].to(x.dtype)
+    full = length // block_size
+    sums = [
+        x[:, :, : full * block_size].unflatten(2, (full, block_size)).sum(3, dtype=torch.float32)
+    ]
+    if length % block_size:
+        sums.append(x[:, :, full * block_size :].sum(2, keepdim=True, dtype=torch.float32))
+    if real is None:
+        count = torch.full((num_blocks(length, block_size),), float(block_size), device=x.device)
+        count[-1] = length - (count.numel() - 1) * block_size
+        count = count.expand(batch, -1)
+    else:
+        count = _block_sum(real.float(), block_size)  # (B, blocks)
+    return torch.cat(sums, 2) / count.clamp_min(1)[:, None, :, None]
 
 
 def pooled_block_scores(
@@ -581,8 +591,8 @@ def pooled_block_scores(
     check_block_size(block_size)
     batch, q_heads, q_len, _ = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
-    real_query = _query_is_real(key_padding_mask, batch, q_len, k_len, query.device).float()
-    q_pooled = _pool(query.float(), real_query, block_size)  # (B, Hq, nQ, D)
+    real_query = None if key_padding_mask is None else key_padding_mask[:, k_len - q_len :]
+    q_pooled = _pool(query, real_query, block_size)  # (B, Hq, nQ, D)
     k_pooled = pooled_keys(key, block_size, key_padding_mask)  # (B, Hkv, nK, D)
     k_valid = real_key_blocks(key_padding_mask, batch, k_len, block_size, query.device)
     q_pooled = q_pooled.unflatten(1, (kv_heads, q_heads // kv_heads))
