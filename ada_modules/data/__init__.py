@@ -19,6 +19,12 @@ from ada_modules.data.kv_capture import (
     load_captured_kv,
     save_captured_kv,
 )
+from ada_modules.data.needle import NeedleRecallDataModule
+from ada_modules.data.planted_attention import (
+    PlantedAttention,
+    PlantedAttentionDataModule,
+    planted_attention,
+)
 from ada_modules.data.recall import RecallDataModule
 from ada_modules.data.rope_drift import (
     RopeDriftDataModule,
@@ -39,6 +45,9 @@ __all__ = [
     "CharTokenizer",
     "DigitsDataModule",
     "EnvTaskDataModule",
+    "NeedleRecallDataModule",
+    "PlantedAttention",
+    "PlantedAttentionDataModule",
     "RecallDataModule",
     "RopeDriftDataModule",
     "RopeDriftSample",
@@ -52,6 +61,7 @@ __all__ = [
     "capture_kv",
     "drift_statistics",
     "load_captured_kv",
+    "planted_attention",
     "rope_drift_kv",
     "save_captured_kv",
 ]
