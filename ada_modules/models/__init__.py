@@ -9,6 +9,7 @@ from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.models.moe import MoELMModule
 from ada_modules.models.on_policy import OnPolicyModule
+from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
 
 __all__ = [
     "ADKVCalibrationModule",
@@ -16,4 +17,5 @@ __all__ = [
     "ImageClassifierModule",
     "OnPolicyModule",
     "MoELMModule",
+    "SparsePrefillStudyModule",
 ]
