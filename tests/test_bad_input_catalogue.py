@@ -21,10 +21,12 @@ import torch
 from lightning.pytorch import LightningModule
 from transformers import DynamicCache, LlamaConfig
 
+from ada_modules.attention import AdaCalPolicy, policy_from_config
 from ada_modules.callbacks import TrainingCurves
 from ada_modules.cli import main
 from ada_modules.data import ArithmeticDataModule, RecallDataModule
 from ada_modules.errors import InputError
+from ada_modules.kernels.sparse_prefill import sparse_prefill_attention
 from ada_modules.kv import (
     AADAccumulator,
     AdaKVQCache,
@@ -280,6 +282,48 @@ CASES = [
         "caches",
         "`ADKVCalibrationModule(num_heads=2, head_dim=16)` fitted on keys of head dim 64",
         _raises(lambda tmp: _calibrate_on_wrong_head_dim()),
+    ),
+    Case(
+        "attention",
+        "`AdaCalPolicy(block_size=48)`",
+        _raises(lambda tmp: AdaCalPolicy(block_size=48)),
+    ),
+    Case(
+        "attention",
+        '`AdaCalPolicy(retrieval={"gamma": 1.5})`',
+        _raises(lambda tmp: AdaCalPolicy(retrieval={"gamma": 1.5})),
+    ),
+    Case(
+        "attention",
+        '`LlamaConfig(attn_implementation="sparse_a_shape", sparse_prefill={"gamma": 0.9})`,'
+        " at the first long prompt",
+        _raises(lambda tmp: policy_from_config("sparse_a_shape", {"gamma": 0.9})),
+    ),
+    Case(
+        "attention",
+        "`sparse_prefill_attention(q, k, v, block_mask)` with 3 query heads and 2 key heads",
+        _raises(
+            lambda tmp: sparse_prefill_attention(
+                torch.zeros(1, 3, 32, 16),
+                torch.zeros(1, 2, 32, 16),
+                torch.zeros(1, 2, 32, 16),
+                torch.ones(1, 3, 2, 2, dtype=torch.bool),
+                block_size=16,
+            )
+        ),
+    ),
+    Case(
+        "attention",
+        "`sparse_prefill_attention(q, k, v, block_mask)` with a block mask of the wrong shape",
+        _raises(
+            lambda tmp: sparse_prefill_attention(
+                torch.zeros(1, 2, 32, 16),
+                torch.zeros(1, 2, 32, 16),
+                torch.zeros(1, 2, 32, 16),
+                torch.ones(1, 2, 3, 2, dtype=torch.bool),
+                block_size=16,
+            )
+        ),
     ),
     Case(
         "optimizers",

@@ -6,7 +6,9 @@ entry, see docs/contributing.md):
 - ``STRATEGIES``: one process, Lightning's FSDP2 ``ModelParallelStrategy`` on 2 ranks, AdERA on 2;
 - ``OPTIMIZERS``: AdamW, AcceleGrad#, Scion, Muon on the hidden matrices chained with AdamW;
 - ``WRAPPERS``: none, ANCRe's ``ConnectivityWrapper``;
-- ``CACHES`` (at test): transformers' ``DynamicCache``, KIVI, AdaKVQ, ADKV.
+- ``CACHES`` (at test): transformers' ``DynamicCache``, KIVI, AdaKVQ, ADKV;
+- ``ATTENTIONS`` (at test): transformers' SDPA, AdaCal's sparse prefill (every test prompt takes
+  the sparse path: blocks of 16, no minimum length).
 
 :func:`pairwise_rows` picks rows of the product that together hold every pair of values of
 two factors (greedy all-pairs); each row fits a tiny Llama ``CausalLMModule`` on one fixed recall
@@ -33,7 +35,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.strategies import ModelParallelStrategy
 from transformers import DynamicCache
 
-from ada_modules.callbacks import ConnectivityMonitor
+import ada_modules.attention  # noqa: F401  (registers the sparse prefill attention functions)
+from ada_modules.callbacks import ConnectivityMonitor, SparsePrefillMonitor
 from ada_modules.data import RecallDataModule
 from ada_modules.kv import AdaKVQCache, ADKVCache, KIVICache
 from ada_modules.models import CausalLMModule
@@ -83,11 +86,16 @@ CACHES: dict[str, Callable[..., Any]] = {
     ),
     "adkv": partial(ADKVCache, key_bits=2, value_bits=4, residual_length=16, keyframe_period=32),
 }
+ATTENTIONS: dict[str, dict[str, Any] | None] = {
+    "sdpa": None,
+    "adacal": {"block_size": 16, "min_sparse_length": 16},
+}
 FACTORS = {
     "strategy": list(STRATEGIES),
     "optimizer": list(OPTIMIZERS),
     "wrapper": list(WRAPPERS),
     "cache": list(CACHES),
+    "attention": list(ATTENTIONS),
 }
 
 
@@ -177,11 +185,19 @@ def _run(row: dict[str, str], tmp: str) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         # reads ANCRe's coefficients between steps (gathered when sharded): no-op without a router
-        callbacks=[losses, ConnectivityMonitor(every_n_steps=STEPS // 2, log_images=False)],
+        callbacks=[
+            losses,
+            ConnectivityMonitor(every_n_steps=STEPS // 2, log_images=False),
+            SparsePrefillMonitor(),
+        ],
         default_root_dir=tmp,
     )
     trainer.fit(module, datamodule=data)
     module.cache_factory = CACHES[row["cache"]]  # the cache of the test's generate calls
+    sparse_prefill = ATTENTIONS[row["attention"]]
+    if sparse_prefill is not None:
+        module.model.config.sparse_prefill = sparse_prefill
+        module.model.set_attn_implementation(row["attention"])
     metrics = trainer.test(module, datamodule=data, verbose=False)[0]
     from torch.distributed.fsdp import FSDPModule
 
@@ -237,6 +253,8 @@ def _check(result: dict[str, Any], row: dict[str, str]) -> None:
     metrics = result["metrics"]
     assert math.isfinite(metrics["test/loss"]), metrics
     assert metrics["test/gen_length"] >= 1, metrics
+    if row["attention"] != "sdpa":
+        assert metrics["test/sparse_calls"] >= 2, metrics  # one prefill call per layer at least
     if row["strategy"] == "adera":
         assert result["equal_to_fsdp2"], "AdERA parameters differ from FSDP2's"
 
