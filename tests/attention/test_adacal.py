@@ -85,15 +85,27 @@ def test_augmentation_adds_the_mid_block_the_selection_missed():
 
 
 def test_structure_regime_never_augments_and_spends_less():
-    query, key = _layer(_positional(), _needle())
+    query, key = _layer(_needle(second_block=10))
+    params = {"gamma": 0.01, "min_budget": 1, "max_extra_blocks": 1, "tau_coverage": 0.9}
     structure = _plan(
-        AdaCalPolicy(block_size=BLOCK, min_sparse_length=0, regime="structure"), query, key
+        AdaCalPolicy(block_size=BLOCK, min_sparse_length=0, regime="structure", structure=params),
+        query,
+        key,
     )
     retrieval = _plan(
-        AdaCalPolicy(block_size=BLOCK, min_sparse_length=0, regime="retrieval"), query, key
+        AdaCalPolicy(
+            block_size=BLOCK,
+            min_sparse_length=0,
+            regime="retrieval",
+            retrieval={**params, "augment": True},
+        ),
+        query,
+        key,
     )
     assert structure.regime == ["structure"]
-    assert structure.block_mask.sum() <= retrieval.block_mask.sum()
+    assert retrieval.block_mask[0, 0, 10:, 10].all()  # augmentation adds the mid block...
+    assert not structure.block_mask[0, 0, 10:, 10].all()  # ...which structure never does
+    assert structure.block_mask.sum() < retrieval.block_mask.sum()
 
 
 def test_dispatch_rule_separates_structure_from_retrieval():
