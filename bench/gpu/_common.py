@@ -6,6 +6,7 @@ The scripts run as ``python bench/gpu/<slug>.py``, so this folder is on ``sys.pa
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,19 @@ class Guard:
         self.skipped.append(what)
         print(f"[time guard] skipped {what} ({self.elapsed():.0f} s of {self.budget_s:.0f} s used)")
         return False
+
+
+def bench_device(name: str) -> tuple[torch.device, str] | None:
+    """The device ``--device name`` asks for and a description of it, or ``None`` (after saying
+    why on stderr) when it asks for CUDA on a machine without it."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available; use --device cpu --quick for a smoke test.", file=sys.stderr)
+        return None
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        return device, torch.cuda.get_device_name(device)
+    return device, f"cpu ({torch.get_num_threads()} threads)"
 
 
 def sync(device: torch.device) -> None:

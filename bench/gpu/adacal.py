@@ -24,8 +24,8 @@ c. **Recall at 32K** on planted layers of both regimes (``structure`` and ``retr
    of its output against dense attention, and in the retrieval regime the needle hit rate (the
    retrieving rows whose plan holds the block of their needle).
 
-Timing: CUDA events around each call after a warm-up (that compiles), median of 3 to 25 calls
-(as many as fit in about 0.4 s). Each section and each length asks a time guard first (the whole
+Timing: ``median_ms`` of ``_common`` (Triton's ``do_bench`` on CUDA over about 0.4 s after a
+warm-up that compiles, the median of 3 calls on the CPU). Each section and each length asks a time guard first (the whole
 run is guarded to ``--budget-s`` = 420 s); what was measured is still printed.
 
 Run it (one H200, expected ≈4–6 minutes)::
@@ -45,16 +45,20 @@ no files read.
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import Guard, run_sections, sync, write_json  # bench/gpu/_common.py
+from _common import (  # bench/gpu/_common.py
+    Guard,
+    bench_device,
+    median_ms,
+    run_sections,
+    write_json,
+)
 
 from ada_modules.attention import (
     AdaCalPolicy,
@@ -129,30 +133,6 @@ def make_policy(name: str, block_size: int) -> Any:
         "vertical_slash": VerticalSlashPolicy,
     }[name]
     return cls(block_size=block_size)
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, target_ms: float = 400.0) -> float:
-    """Median ms of ``fn`` after one warm-up call: 3 to 25 calls, as many as fit in
-    ``target_ms`` (CUDA events on the GPU, ``perf_counter`` on the CPU)."""
-    fn()
-    sync(device)
-    times: list[float] = []
-    reps = 3
-    while len(times) < reps:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        if len(times) == 1:
-            reps = max(3, min(25, int(target_ms / max(times[0], 1e-3))))
-    return statistics.median(times)
 
 
 def free_memory(device: torch.device) -> None:
@@ -400,7 +380,7 @@ def time_length(
     layer = planted_layer(sizes, length, "retrieval", device, torch.bfloat16, seed=length)
     q, k, v = layer.query, layer.key, layer.value
     baseline, label = fused_sdpa(q, k, v)
-    base_ms = time_ms(baseline, device)
+    base_ms = median_ms(baseline, device, rep_ms=400)
     del baseline  # and its expanded kv heads, if any
     print(f"| {length} | {label} | {base_ms:.3f} | | 1.000 | | 1.00× | |")
     results.append({"section": "timing", "tokens": length, "arm": label, "total_ms": base_ms})
@@ -419,8 +399,8 @@ def time_length(
         try:
             the_plan = plan()
             density = plan_density(the_plan.block_mask, length, length, block)
-            plan_ms = time_ms(plan, device)
-            total_ms = time_ms(prefill, device)
+            plan_ms = median_ms(plan, device, rep_ms=400)
+            total_ms = median_ms(prefill, device, rep_ms=400)
         except torch.OutOfMemoryError:
             print(f"| {length} | {name} | out of memory | | | | | |")
             results.append({"section": "timing", "tokens": length, "arm": name, "oom": True})
@@ -617,16 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     guard = Guard(budget_s=args.budget_s)
     if args.out:
         os.environ["OUT"] = args.out
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available; use --device cpu --quick for a smoke test.", file=sys.stderr)
+    resolved = bench_device(args.device)
+    if resolved is None:
         return 1
+    device, device_name = resolved
     sizes = QUICK if args.quick else FULL
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-        device_name = torch.cuda.get_device_name(device)
-    else:
-        device_name = f"cpu ({torch.get_num_threads()} threads)"
     print(f"# AdaCal sparse prefill GPU benchmark ({'quick' if args.quick else 'full'})\n")
     print(
         f"device: {device_name}; torch {torch.__version__}; "

@@ -55,7 +55,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import Guard, median_ms, run_sections, sync, write_json  # bench/gpu/_common.py
+from _common import (  # bench/gpu/_common.py
+    Guard,
+    bench_device,
+    median_ms,
+    run_sections,
+    sync,
+    write_json,
+)
 from torch import nn
 
 from ada_modules.kernels.exponent_codec import (
@@ -605,18 +612,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     guard = Guard(budget_s=args.budget_s)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available; use --device cpu --quick for a smoke test.", file=sys.stderr)
+    resolved = bench_device(args.device)
+    if resolved is None:
         return 1
+    device, device_name = resolved
+    impl = "triton" if device.type == "cuda" else "torch"
     sizes = QUICK if args.quick else FULL
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-        device_name = torch.cuda.get_device_name(device)
-        impl = "triton"
-    else:
-        device_name = f"cpu ({torch.get_num_threads()} threads)"
-        impl = "torch"
     print(f"# AdERA GPU benchmark ({'quick' if args.quick else 'full'})\n")
     print(
         f"device: {device_name}; torch {torch.__version__}; "
