@@ -40,46 +40,75 @@ A sweep spec is a YAML mapping; ``base`` and ``metrics`` are required::
 
 Override values are passed to the CLI as ``--key=value``: strings as they are, everything else
 as JSON, so numbers, booleans, ``null``, lists and mappings keep their types. Before anything
-runs, the first CLI call of each variant is parsed in-process with ``--print_config``: an unknown
-key or a value of the wrong type fails the spec with the CLI's one-line error; a value that a
-component rejects when it is built fails that variant's runs, with the error in the record.
-Besides the overrides, every call gets ``--seed_everything``,
+runs, the first CLI call of each variant (and each shared fit) is parsed in-process with
+``--print_config``: an unknown key or a value of the wrong type fails the spec with the CLI's
+one-line error; a value that a component rejects when it is built fails that variant's runs,
+with the error in the record. Besides the overrides, every call gets ``--seed_everything``,
 ``--trainer.default_root_dir=<run dir>`` and ``--metrics_file``; ``fit`` also gets a
 ``ModelCheckpoint(dirpath=<run dir>/checkpoints, save_last=True, save_top_k=0)`` appended to
 ``trainer.callbacks`` (so the base config must not set ``trainer.enable_checkpointing: false``),
 and later stages get ``--ckpt_path=<run dir>/checkpoints/last.ckpt``.
 
 Shared fit: with a top-level ``fit:`` mapping of overrides (``fit: {}`` for none), each seed is
-trained once with the base config, those overrides and the quick profile; as soon as a seed's fit
-is done, every variant runs only its evaluation ``stages`` (default ``[test]``; ``fit`` is not
-allowed there) from that checkpoint, with its own overrides. Use it to compare inference-time choices (a KV cache, an
-attention implementation) on one trained model.
+trained once with the base config, those overrides and the quick profile; as soon as a seed's fit is
+done, every variant runs only its evaluation ``stages`` (default ``[test]``; ``fit`` is not allowed
+there) from that checkpoint, with its own overrides. Use it to compare inference-time choices (a KV
+cache, an attention implementation) on one trained model.
+
+Named shared fits: ``fits:`` (instead of ``fit:``) lists fits that run once per seed, in order,
+before that seed's variants, e.g. a base model and then specialists fine-tuned from it::
+
+    fits:
+      - name: base                   # required, unique; folder DIR/shared_fit/base/seed_<seed>/
+        base: train_base.yaml        # optional: its own config file(s) (default: the spec's base)
+        overrides: {data.init_args.domain: identity}
+      - name: rot90
+        base: train_base.yaml
+        overrides:                   # after the spec's `overrides`; may use earlier fits' folders
+          data.init_args.domain: rot90
+          model.init_args.init_from: "{fit_dir:base}/checkpoints/last.ckpt"
+        quick: {trainer.max_epochs: 2}  # optional: after the spec's `quick`, with --quick
+    stages: [test]                   # the variants' stages (default [test]; `fit` not allowed)
+    variants:
+      - name: ta                     # names the checkpoints it loads: no --ckpt_path is added
+        overrides: {model.init_args.base_model: "{fit_dir:base}/checkpoints/last.ckpt"}
+
+Each fit is an ``ada fit`` call like the shared fit's, with the spec's ``overrides``, its own, then
+(with ``--quick``) the spec's ``quick`` and its own. A fit starts after the fits before it of its
+seed succeeded, the variant runs of a seed after all its fits; if a fit fails, the later fits and
+the variant runs of that seed fail without running, naming it. Changing a fit reruns it, the later
+fits of its seed and their variant runs.
 
 Folders in values: inside any string override value, ``{run_dir}`` stands for the run's own folder
 and ``{fit_dir}`` for the folder of the same seed's shared fit, e.g. to write a file from a callback
-during the shared fit and read it in every variant (``{fit_dir}/aad/aad_profile.json``).
+during the shared fit and read it in every variant (``{fit_dir}/aad/aad_profile.json``). With
+``fits``, ``{fit_dir:NAME}`` is the folder of the same seed's fit ``NAME`` and ``{fit_dir}`` that of
+the last fit; a fit (with the spec's ``overrides`` and ``quick``, which reach it too) may use only
+the folders of the fits before it, a variant those of any fit.
 
-Outputs (``--out DIR``, default ``sweeps/<name>``): ``DIR/results.json`` (``runs``: one record
-per variant and seed, see :class:`RunRecord`; ``shared_fits``: one per seed), ``DIR/results.md``
-(per variant: successful/all runs and ``mean ± std`` over the successful seeds, the mean alone
-for one seed, the best mean in bold; see :func:`ada_modules.sweep_report.format_table`),
-``DIR/<metric>.png`` (``/`` in metric names becomes ``_``; a chart of the mean ± std per variant, for
-every metric that some run logged; see :func:`ada_modules.sweep_report.plot_metrics`) and, per run,
-``DIR/runs/<variant>/seed_<seed>/`` with ``<stage>.log`` (the CLI's output),
-``<stage>.metrics.json``, ``checkpoints/last.ckpt`` and whatever the run's callbacks write
-under its ``default_root_dir`` (e.g. images). Shared fits live in ``DIR/shared_fit/seed_<seed>/``.
-At the end the sweep prints what it wrote: the report files by name, the metrics left without a
-chart, and every image found in the run and shared-fit folders (path inside the folder, and in
-how many of them), or that the runs wrote none. A spec that promises images from its runs is held
-to it by that list, for the profile that was run.
+Outputs (``--out DIR``, default ``sweeps/<name>``): ``DIR/results.json`` (``runs``: one record per
+variant and seed, see :class:`RunRecord`; ``shared_fits``: one per shared fit and seed),
+``DIR/results.md`` (per variant: successful/all runs and ``mean ± std`` over the successful seeds,
+the mean alone for one seed, the best mean in bold; see
+:func:`ada_modules.sweep_report.format_table`), ``DIR/<metric>.png`` (``/`` in metric names becomes
+``_``; a chart of the mean ± std per variant, for every metric that some run logged; see
+:func:`ada_modules.sweep_report.plot_metrics`) and, per run, ``DIR/runs/<variant>/seed_<seed>/``
+with ``<stage>.log`` (the CLI's output), ``<stage>.metrics.json``, ``checkpoints/last.ckpt`` and
+whatever the run's callbacks write under its ``default_root_dir`` (e.g. images). Shared fits live in
+``DIR/shared_fit/seed_<seed>/`` (with ``fits``: ``DIR/shared_fit/<name>/seed_<seed>/``). At the end
+the sweep prints what it wrote: the report files by name, the metrics left without a chart, and
+every image found in the run and shared-fit folders (path inside the folder, and in how many of
+them), or that the runs wrote none. A spec that promises images from its runs is held to it by that
+list, for the profile that was run.
 
 Resume: a run already recorded as ``ok`` in ``DIR/results.json`` with the same base, stages and
-overrides (and shared fit) is skipped; ``results.json`` is rewritten atomically after every run,
-so an interrupted sweep loses at most the runs in progress. ``--jobs N`` runs N at a time, each
-with ``OMP_NUM_THREADS`` = CPUs / N unless that variable is set.
+overrides (and shared fits) is skipped, unless a shared fit it comes after was run again;
+``results.json`` is rewritten atomically after every run, so an interrupted sweep loses at most the
+runs in progress. ``--jobs N`` runs N at a time, each with ``OMP_NUM_THREADS`` = CPUs / N unless
+that variable is set.
 
 Cluster: ``ada sweep SPEC --dry-run`` prints one self-contained shell line per run (shared fits
-first, after a ``#`` comment line); run them anywhere that shares ``DIR``, then
+first, in order, after a ``#`` comment line); run them anywhere that shares ``DIR``, then
 ``ada sweep SPEC --collect`` (same ``--out`` and ``--quick``) builds the results from the metrics
 files they wrote.
 
@@ -98,12 +127,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import difflib
 import hashlib
 import io
 import itertools
 import json
-import math
 import os
 import re
 import shlex
@@ -112,21 +139,30 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from jsonargparse import ArgumentError, ArgumentParser
 
 from ada_modules.errors import InputError
 from ada_modules.sweep_report import file_name, format_table, plot_metrics
+from ada_modules.sweep_spec import (
+    _FIT_DIR,
+    Metric,
+    SharedFit,
+    SweepSpec,
+    SweepSpecError,
+    Variant,
+    expand_grid,
+    override_args,
+)
 
 __all__ = [
     "Metric",
     "RunRecord",
+    "SharedFit",
     "SweepSpec",
     "SweepSpecError",
     "Variant",
@@ -137,211 +173,7 @@ __all__ = [
     "sweep_main",
 ]
 
-STAGES = ("fit", "validate", "test", "predict")
-SPEC_KEYS = (
-    "base",
-    "fit",
-    "grid",
-    "metrics",
-    "name",
-    "overrides",
-    "quick",
-    "quick_seeds",
-    "seeds",
-    "stages",
-    "variants",
-)
-_MIN_HINTS = ("loss", "err", "perplexity", "ppl", "time", "latency")
 _SHARED_FIT = "(shared fit)"
-
-
-class SweepSpecError(ValueError):
-    """A sweep spec is invalid; the message is one line naming the file and the bad key."""
-
-
-_Fail = Callable[[str], SweepSpecError]  # builds the error for a message about the spec file
-
-
-@dataclass(frozen=True)
-class Metric:
-    """A logged metric to collect, and which direction is better.
-
-    Args:
-        name: The name the LightningModule logs, e.g. ``test/exact_match``.
-        mode: ``max`` if higher is better, ``min`` if lower is better.
-        required: A run that did not log it failed (default); ``False``: the table shows ``–``
-            for such runs (e.g. all-gather statistics, which a one-process run has none of).
-
-    Example::
-
-        >>> Metric.parse("val/loss")
-        Metric(name='val/loss', mode='min', required=True)
-    """
-
-    name: str
-    mode: Literal["max", "min"] = "max"
-    required: bool = True
-
-    @classmethod
-    def parse(cls, entry: str | dict[str, Any]) -> Metric:
-        """A metric from a spec entry: a name (mode guessed from it) or ``{name, mode}``."""
-        if isinstance(entry, str):
-            lowered = entry.lower()
-            return cls(entry, "min" if any(h in lowered for h in _MIN_HINTS) else "max")
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise InputError(f"expected a name or {{name, mode}}, got {entry!r}")
-        unknown = sorted(set(entry) - {"name", "mode", "required"})
-        if unknown:
-            raise InputError(f"unknown key {unknown[0]!r} (allowed: name, mode, required)")
-        required = entry.get("required", True)
-        if not isinstance(required, bool):
-            raise InputError(
-                f"required of {entry['name']!r} must be true or false, got {required!r}"
-            )
-        mode = entry.get("mode", cls.parse(entry["name"]).mode)
-        if mode not in ("max", "min"):
-            raise InputError(f"mode of {entry['name']!r} must be 'max' or 'min', got {mode!r}")
-        return cls(entry["name"], mode, required)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A named set of dotted LightningCLI overrides, e.g. ``{"model.init_args.hidden_size": 64}``."""
-
-    name: str
-    overrides: dict[str, Any] = field(default_factory=dict)
-    stage_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Overrides added to one stage's call only, by stage (e.g. a KV cache for ``test``)."""
-
-
-@dataclass
-class SweepSpec:
-    """A validated sweep spec; build it with :meth:`from_yaml` (see the module docstring).
-
-    Attributes:
-        path: The spec file (absolute).
-        name: Name of the sweep; the default output folder is ``sweeps/<name>``.
-        base: LightningCLI config files (absolute), passed as ``-c`` in order.
-        stages: Subcommands each variant runs, in order.
-        variants: The expanded variants (listed variants times grid points).
-        seeds: Seeds of a full sweep.
-        metrics: Metrics to collect and compare.
-        overrides: Overrides of every run (shared fits included), before the variant's.
-        quick: Overrides added to every run with ``quick=True``, last.
-        quick_seeds: Seeds used with ``quick=True`` (``None``: the same as ``seeds``).
-        shared_fit: Overrides of the shared fit stage, or ``None`` when each variant fits itself.
-    """
-
-    path: Path
-    name: str
-    base: list[Path]
-    stages: list[str]
-    variants: list[Variant]
-    seeds: list[int]
-    metrics: list[Metric]
-    overrides: dict[str, Any] = field(default_factory=dict)
-    quick: dict[str, Any] | None = None
-    quick_seeds: list[int] | None = None
-    shared_fit: dict[str, Any] | None = None
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> SweepSpec:
-        """Read and validate a sweep spec; every problem raises one-line :class:`SweepSpecError`.
-
-        Example::
-
-            spec = SweepSpec.from_yaml("cli_configs/quickstart_sweep.yaml")
-            print([v.name for v in spec.variants], spec.seeds)
-        """
-        path = Path(path)
-        if not path.is_file():
-            raise SweepSpecError(f"sweep spec not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as error:
-            where = getattr(error, "problem_mark", None)
-            line = f" at line {where.line + 1}" if where is not None else ""
-            problem = getattr(error, "problem", None) or type(error).__name__
-            raise SweepSpecError(f"{path}: invalid YAML{line}: {problem}") from error
-        return cls.from_dict(data, path)
-
-    @classmethod
-    def from_dict(cls, data: object, path: str | Path) -> SweepSpec:
-        """Validate a parsed spec; ``path`` locates the spec (``base`` is relative to its folder)."""
-        path = Path(path).resolve()
-
-        def fail(message: str) -> SweepSpecError:
-            return SweepSpecError(f"{path}: {message}")
-
-        if not isinstance(data, dict):
-            raise fail(f"expected a mapping of sweep keys, got {type(data).__name__}")
-        for key in data:
-            if key not in SPEC_KEYS:
-                close = difflib.get_close_matches(str(key), SPEC_KEYS, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise fail(f"unknown key {key!r}{hint}; allowed keys: {', '.join(SPEC_KEYS)}")
-        if "base" not in data:
-            raise fail("missing key 'base' (the LightningCLI config file to sweep over)")
-        base_entries = data["base"] if isinstance(data["base"], list) else [data["base"]]
-        if not base_entries or not all(isinstance(b, str) and b for b in base_entries):
-            raise fail("'base' must be a config file path or a non-empty list of them")
-        base = [(path.parent / b).resolve() for b in base_entries]
-        for file in base:
-            if not file.is_file():
-                raise fail(f"base config not found: {file}")
-
-        shared_fit = None
-        if "fit" in data:
-            shared_fit = _overrides(data["fit"] or {}, "fit", fail)
-        stages = data.get("stages", ["test"] if shared_fit is not None else ["fit", "test"])
-        if not isinstance(stages, list) or not stages:
-            raise fail(f"'stages' must be a non-empty list of {', '.join(STAGES)}")
-        for stage in stages:
-            if stage not in STAGES:
-                raise fail(f"unknown stage {stage!r} in 'stages'; allowed: {', '.join(STAGES)}")
-        if len(set(stages)) != len(stages):
-            raise fail(f"'stages' lists a stage twice: {stages}")
-        if "fit" in stages and stages[0] != "fit":
-            raise fail("'fit' must be the first of 'stages' (later stages use its checkpoint)")
-        if shared_fit is not None and "fit" in stages:
-            raise fail("'stages' must not include 'fit' when a shared 'fit' stage is given")
-
-        variants = _variants(data, stages, fail)
-        seeds = _seeds(data.get("seeds", [0]), "seeds", fail)
-        quick_seeds = None
-        if "quick_seeds" in data:
-            quick_seeds = _seeds(data["quick_seeds"], "quick_seeds", fail)
-        quick = _overrides(data["quick"] or {}, "quick", fail) if "quick" in data else None
-        common = _overrides(data.get("overrides") or {}, "overrides", fail)
-
-        entries = data.get("metrics")
-        if not isinstance(entries, list) or not entries:
-            raise fail("'metrics' must be a non-empty list of logged metric names")
-        metrics = []
-        for entry in entries:
-            try:
-                metrics.append(Metric.parse(entry))
-            except ValueError as error:
-                raise fail(f"bad entry in 'metrics': {error}") from error
-        if len({m.name for m in metrics}) != len(metrics):
-            raise fail("'metrics' lists a metric twice")
-
-        name = data.get("name") or (path.parent.name if path.stem == "repro" else path.stem)
-        if not isinstance(name, str) or file_name(name) != name:
-            raise fail(f"'name' must be a plain file name, got {name!r}")
-        return cls(
-            path=path,
-            name=name,
-            base=base,
-            stages=list(stages),
-            variants=variants,
-            seeds=seeds,
-            metrics=metrics,
-            overrides=common,
-            quick=quick,
-            quick_seeds=quick_seeds,
-            shared_fit=shared_fit,
-        )
 
 
 @dataclass
@@ -349,7 +181,8 @@ class RunRecord:
     """The outcome of one run (a variant and a seed), as stored in ``results.json``.
 
     Attributes:
-        variant: Variant name (``"(shared fit)"`` for a shared fit).
+        variant: Variant name (``"(shared fit)"`` for the shared fit of ``fit``,
+            ``"(shared fit: NAME)"`` for the shared fit ``NAME`` of ``fits``).
         seed: The ``seed_everything`` value.
         status: ``"ok"`` or ``"failed"``.
         metrics: Every metric the run's stages logged (later stages win on equal names);
@@ -357,8 +190,10 @@ class RunRecord:
         overrides: The overrides the run used (the spec's ``overrides``, the variant's, then the
             quick profile).
         stages: The subcommands it ran.
-        base: The base config files.
-        shared_fit: The shared fit's overrides if the run used a shared checkpoint.
+        base: The base config files (a shared fit of ``fits``: its own).
+        shared_fit: The overrides of the shared fits the run used: those of ``fit``, or, with
+            ``fits``, a mapping of fit name to the overrides it ran with (the fits it comes
+            after, for a fit); ``None`` for none.
         run_dir: Folder with its logs, metrics files and checkpoint.
         command: The shell line that reproduces the run.
         wall_s: Wall time in seconds (``None`` for collected runs).
@@ -396,137 +231,13 @@ class RunRecord:
         )
 
 
-def expand_grid(grid: dict[str, list[Any]]) -> list[Variant]:
-    """The cartesian product of a grid of overrides, one auto-named variant per point.
-
-    A variant is named ``key=value,...`` with the last part of each dotted key (the full key
-    where two keys share their last part).
-
-    Example::
-
-        >>> [v.name for v in expand_grid({"model.init_args.lr": [0.1, 0.01], "trainer.a.b": [1]})]
-        ['lr=0.1,b=1', 'lr=0.01,b=1']
-    """
-    keys = list(grid)
-    last = [key.rsplit(".", 1)[-1] for key in keys]
-    labels = [
-        short if last.count(short) == 1 else key for key, short in zip(keys, last, strict=True)
-    ]
-    variants = []
-    for values in itertools.product(*(grid[key] for key in keys)):
-        name = ",".join(
-            f"{label}={_value_text(v)}" for label, v in zip(labels, values, strict=True)
-        )
-        variants.append(Variant(name, dict(zip(keys, values, strict=True))))
-    return variants
-
-
-def override_args(overrides: dict[str, Any]) -> list[str]:
-    """Command-line arguments for dotted overrides: ``--key=value``, non-strings as JSON.
-
-    Example::
-
-        >>> override_args({"trainer.max_steps": 5, "model.init_args.dims": [1, 2], "x.name": "a b"})
-        ['--trainer.max_steps=5', '--model.init_args.dims=[1, 2]', '--x.name=a b']
-    """
-    return [f"--{key}={_value_text(value)}" for key, value in overrides.items()]
-
-
-def _value_text(value: object) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, float) and not math.isfinite(value):
-        return {math.inf: ".inf", -math.inf: "-.inf"}.get(value, ".nan")
-    return json.dumps(value)
-
-
-def _overrides(value: object, where: str, fail: _Fail) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise fail(f"'{where}' must be a mapping of dotted keys to values, got {value!r}")
-    for key in value:
-        if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][\w.]*\+?", key):
-            raise fail(f"bad override key {key!r} in '{where}' (expected e.g. trainer.max_steps)")
-    return dict(value)
-
-
-def _seeds(value: object, where: str, fail: _Fail) -> list[int]:
-    ok = isinstance(value, list) and value and all(type(s) is int for s in value)
-    if not ok or len(set(value)) != len(value):
-        raise fail(f"'{where}' must be a non-empty list of distinct integers, got {value!r}")
-    return list(value)
-
-
-def _stage_overrides(
-    value: object, i: int, stages: list[str], fail: _Fail
-) -> dict[str, dict[str, Any]]:
-    if not isinstance(value, dict):
-        raise fail(f"variants[{i}].stage_overrides must map stage names to overrides")
-    for stage in value:
-        if stage not in stages:
-            raise fail(
-                f"variants[{i}].stage_overrides: {stage!r} is not one of the spec's stages "
-                f"{list(stages)}"
-            )
-    return {
-        stage: _overrides(overrides, f"variants[{i}].stage_overrides.{stage}", fail)
-        for stage, overrides in value.items()
-    }
-
-
-def _variants(data: dict[str, Any], stages: list[str], fail: _Fail) -> list[Variant]:
-    listed = [Variant("base")]
-    if "variants" in data:
-        entries = data["variants"]
-        if not isinstance(entries, list) or not entries:
-            raise fail("'variants' must be a non-empty list of {name, overrides}")
-        listed = []
-        for i, entry in enumerate(entries):
-            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-                raise fail(f"variants[{i}] must be a mapping with a 'name' string")
-            unknown = sorted(set(entry) - {"name", "overrides", "stage_overrides"})
-            if unknown:
-                raise fail(
-                    f"unknown key {unknown[0]!r} in variant {entry['name']!r}; "
-                    "allowed keys: name, overrides, stage_overrides"
-                )
-            where = f"variants[{i}].overrides"
-            listed.append(
-                Variant(
-                    entry["name"],
-                    _overrides(entry.get("overrides") or {}, where, fail),
-                    _stage_overrides(entry.get("stage_overrides") or {}, i, stages, fail),
-                )
-            )
-    variants = listed
-    if "grid" in data:
-        grid = data["grid"]
-        if not isinstance(grid, dict) or not grid:
-            raise fail("'grid' must be a non-empty mapping of dotted keys to lists of values")
-        _overrides(grid, "grid", fail)
-        for key, values in grid.items():
-            if not isinstance(values, list) or not values:
-                raise fail(f"grid key {key!r} must have a non-empty list of values")
-        points = expand_grid(grid)
-        if "variants" not in data:
-            variants = points
-        else:
-            variants = [
-                Variant(f"{v.name},{p.name}", {**v.overrides, **p.overrides}, v.stage_overrides)
-                for v in listed
-                for p in points
-            ]
-    folders: dict[str, str] = {}
-    for variant in variants:
-        folder = file_name(variant.name)
-        if folder in folders:
-            raise fail(f"variants {folders[folder]!r} and {variant.name!r} have the same name")
-        folders[folder] = variant.name
-    return variants
-
-
 @dataclass(frozen=True)
 class _Run:
-    """One planned run: its record fields and the CLI calls (stage, argument list) that make it."""
+    """One planned run: its record fields and the CLI calls (stage, argument list) that make it.
+
+    ``depends_on``: the shared fits of its seed that must have succeeded before it starts (for a
+    fit of ``fits``, the fits before it), in order. ``fit_name``: a fit of ``fits``.
+    """
 
     variant: str
     seed: int
@@ -535,27 +246,40 @@ class _Run:
     run_dir: Path
     calls: tuple[tuple[str, tuple[str, ...]], ...]
     shared_fit: dict[str, Any] | None
-    depends_on: _Run | None = None
+    base: tuple[Path, ...]
+    depends_on: tuple[_Run, ...] = ()
+    is_fit: bool = False
+    fit_name: str | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.variant, self.seed
+
+    def describe(self) -> str:
+        """``shared fit``, ``shared fit 'NAME'`` or ``variant=NAME``."""
+        if not self.is_fit:
+            return f"variant={self.variant}"
+        return "shared fit" + (f" {self.fit_name!r}" if self.fit_name else "")
 
     def shell(self) -> str:
         return " && ".join(shlex.join(["ada", stage, *args]) for stage, args in self.calls)
 
-    def record(self, base: list[Path], **outcome: Any) -> RunRecord:
+    def record(self, **outcome: Any) -> RunRecord:
         return RunRecord(
             variant=self.variant,
             seed=self.seed,
             overrides=self.overrides,
             stages=list(self.stages),
-            base=[str(b) for b in base],
+            base=[str(b) for b in self.base],
             shared_fit=self.shared_fit,
             run_dir=str(self.run_dir),
             command=self.shell(),
-            base_sha256=_files_sha256(base),
+            base_sha256=_files_sha256(self.base),
             **outcome,
         )
 
 
-def _files_sha256(files: list[Path]) -> str:
+def _files_sha256(files: tuple[Path, ...]) -> str:
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())
@@ -563,12 +287,11 @@ def _files_sha256(files: list[Path]) -> str:
 
 
 def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Run]]:
-    """The shared fits (one per seed, or none) and the variant runs of a sweep."""
+    """The shared fits (in order for each seed, seed after seed; or none) and the variant runs."""
     if quick and spec.quick is None:
         raise SweepSpecError(f"{spec.path}: --quick needs a 'quick' profile in the spec")
     extra = spec.quick if quick else {}
     seeds = spec.quick_seeds if quick and spec.quick_seeds else spec.seeds
-    config = tuple(arg for file in spec.base for arg in ("-c", str(file)))
 
     def make(
         variant: str,
@@ -576,15 +299,18 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
         overrides: dict[str, Any],
         stages: list[str],
         run_dir: Path,
+        base: list[Path],
         ckpt: Path | None,
-        depends_on: _Run | None = None,
+        shared: dict[str, Any] | None = None,
+        depends_on: tuple[_Run, ...] = (),
         stage_overrides: dict[str, dict[str, Any]] | None = None,
+        fit_name: str | None = None,
     ) -> _Run:
         calls = []
         stage_overrides = stage_overrides or {}
         for stage in stages:
             args = [
-                *config,
+                *(arg for file in base for arg in ("-c", str(file))),
                 *override_args({**overrides, **stage_overrides.get(stage, {})}),
                 f"--seed_everything={seed}",
                 f"--trainer.default_root_dir={run_dir}",
@@ -596,49 +322,101 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
                 args.append(f"--ckpt_path={ckpt}")
             args.append(f"--metrics_file={run_dir / f'{stage}.metrics.json'}")
             calls.append((stage, tuple(args)))
-        shared = spec.shared_fit if depends_on is not None else None
         # recorded (and compared when resuming) as "<stage>:<key>"
         recorded = {
             **overrides,
             **{f"{st}:{k}": v for st, extra in stage_overrides.items() for k, v in extra.items()},
         }
+        is_fit = fit_name is not None or variant == _SHARED_FIT
         return _Run(
-            variant, seed, recorded, tuple(stages), run_dir, tuple(calls), shared, depends_on
+            variant,
+            seed,
+            recorded,
+            tuple(stages),
+            run_dir,
+            tuple(calls),
+            shared,
+            tuple(base),
+            depends_on,
+            is_fit,
+            fit_name,
         )
 
-    fits = {}
-    if spec.shared_fit is not None:
-        for seed in seeds:
+    fits: dict[int, list[_Run]] = {}  # by seed, in the order they run
+    for seed in seeds:
+        chain = fits[seed] = []
+        if spec.shared_fit is not None:
             fit_dir = out / "shared_fit" / f"seed_{seed}"
             overrides = {**spec.overrides, **spec.shared_fit, **extra}
             overrides = _with_folders(overrides, run_dir=fit_dir, fit_dir=fit_dir)
-            fits[seed] = make(_SHARED_FIT, seed, overrides, ["fit"], fit_dir, None)
+            chain.append(make(_SHARED_FIT, seed, overrides, ["fit"], fit_dir, spec.base, None))
+        dirs: dict[str, Path] = {}  # the folders of this seed's earlier fits
+        for fit in spec.fits or []:
+            fit_dir = out / "shared_fit" / fit.name / f"seed_{seed}"
+            own_quick = (fit.quick or {}) if quick else {}
+            overrides = {**spec.overrides, **fit.overrides, **extra, **own_quick}
+            overrides = _with_folders(overrides, run_dir=fit_dir, fit_dir=None, fit_dirs=dirs)
+            shared = {f.fit_name: f.overrides for f in chain} or None
+            chain.append(
+                make(
+                    f"(shared fit: {fit.name})",
+                    seed,
+                    overrides,
+                    ["fit"],
+                    fit_dir,
+                    fit.base,
+                    None,
+                    shared,
+                    tuple(chain),
+                    fit_name=fit.name,
+                )
+            )
+            dirs[fit.name] = fit_dir
     runs = []
     for variant in spec.variants:
         for seed in seeds:
             run_dir = out / "runs" / file_name(variant.name) / f"seed_{seed}"
-            fit = fits.get(seed)
-            ckpt = fit.run_dir / "checkpoints" / "last.ckpt" if fit else None
+            chain = fits[seed]
+            fit_dir = chain[-1].run_dir if chain else None
+            dirs = {fit.fit_name: fit.run_dir for fit in chain if fit.fit_name}
+            if spec.shared_fit is not None:  # the variants load the shared fit's checkpoint
+                ckpt, shared = fit_dir / "checkpoints" / "last.ckpt", spec.shared_fit
+            else:  # with `fits`, they name the checkpoints they load in their overrides
+                ckpt, shared = None, {fit.fit_name: fit.overrides for fit in chain} or None
             overrides = {**spec.overrides, **variant.overrides, **extra}
-            overrides = _with_folders(overrides, run_dir=run_dir, fit_dir=fit and fit.run_dir)
-            per_stage = _with_folders(
-                variant.stage_overrides, run_dir=run_dir, fit_dir=fit and fit.run_dir
-            )
+            overrides = _with_folders(overrides, run_dir, fit_dir, dirs)
+            per_stage = _with_folders(variant.stage_overrides, run_dir, fit_dir, dirs)
             runs.append(
-                make(variant.name, seed, overrides, spec.stages, run_dir, ckpt, fit, per_stage)
+                make(
+                    variant.name,
+                    seed,
+                    overrides,
+                    spec.stages,
+                    run_dir,
+                    spec.base,
+                    ckpt,
+                    shared,
+                    tuple(chain),
+                    per_stage,
+                )
             )
-    return list(fits.values()), runs
+    return [fit for seed in seeds for fit in fits[seed]], runs
 
 
-def _with_folders(value: Any, run_dir: Path, fit_dir: Path | None) -> Any:
-    """``value`` with ``{run_dir}`` and ``{fit_dir}`` (if any) filled in every string it holds."""
+def _with_folders(
+    value: Any, run_dir: Path, fit_dir: Path | None, fit_dirs: dict[str, Path] | None = None
+) -> Any:
+    """``value`` with ``{run_dir}``, ``{fit_dir}`` (if given) and ``{fit_dir:NAME}`` (for the
+    names in ``fit_dirs``) filled in every string it holds."""
     if isinstance(value, str):
         value = value.replace("{run_dir}", str(run_dir))
+        if fit_dirs:
+            value = _FIT_DIR.sub(lambda m: str(fit_dirs.get(m[1], m[0])), value)
         return value if fit_dir is None else value.replace("{fit_dir}", str(fit_dir))
     if isinstance(value, dict):
-        return {key: _with_folders(item, run_dir, fit_dir) for key, item in value.items()}
+        return {key: _with_folders(item, run_dir, fit_dir, fit_dirs) for key, item in value.items()}
     if isinstance(value, list):
-        return [_with_folders(item, run_dir, fit_dir) for item in value]
+        return [_with_folders(item, run_dir, fit_dir, fit_dirs) for item in value]
     return value
 
 
@@ -694,7 +472,7 @@ def _execute(run: _Run, metrics: list[Metric], env: dict[str, str]) -> dict[str,
             wall = time.perf_counter() - start
             error = f"`ada {stage}` exited with code {code}; see {log}\n{_tail(log)}"
             return {"status": "failed", "metrics": {}, "wall_s": wall, "error": error}
-    merged, error = _read_metrics(run, metrics, check=run.variant != _SHARED_FIT)
+    merged, error = _read_metrics(run, metrics, check=not run.is_fit)
     wall = time.perf_counter() - start
     return {
         "status": "failed" if error else "ok",
@@ -717,9 +495,8 @@ class _Results:
 
     def __init__(self, spec: SweepSpec, out: Path, quick: bool, fits: list[_Run], runs: list[_Run]):
         self.spec, self.out, self.quick = spec, out, quick
-        self.slots: dict[tuple[str, int], RunRecord | None] = {
-            (r.variant, r.seed): None for r in [*fits, *runs]
-        }
+        self.slots: dict[tuple[str, int], RunRecord | None] = {r.key: None for r in [*fits, *runs]}
+        self.fit_keys = {fit.key for fit in fits}
         self.lock = threading.Lock()
 
     def set(self, record: RunRecord) -> None:
@@ -728,8 +505,10 @@ class _Results:
             self.write()
 
     def records(self, shared: bool = False) -> list[RunRecord]:
-        chosen = [r for r in self.slots.values() if r is not None]
-        return [r for r in chosen if (r.variant == _SHARED_FIT) == shared]
+        """The records of the variant runs, or of the shared fits."""
+        return [
+            r for key, r in self.slots.items() if r is not None and (key in self.fit_keys) == shared
+        ]
 
     def write(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -805,7 +584,8 @@ def run_sweep(
 
     if dry_run:
         if fits:
-            print(f"# {len(fits)} shared fit(s): run these first")
+            in_order = ", in order" if spec.fits else ""
+            print(f"# {len(fits)} shared fit(s): run these first{in_order}")
             print("\n".join(fit.shell() for fit in fits))
             print(f"# {len(runs)} run(s) using the shared fits")
         print("\n".join(run.shell() for run in runs))
@@ -814,11 +594,9 @@ def run_sweep(
     results = _Results(spec, out, quick, fits, runs)
     if collect:
         for run in [*fits, *runs]:
-            merged, error = _read_metrics(run, spec.metrics, check=run.variant != _SHARED_FIT)
+            merged, error = _read_metrics(run, spec.metrics, check=not run.is_fit)
             status = "failed" if error else "ok"
-            results.slots[(run.variant, run.seed)] = run.record(
-                spec.base, status=status, metrics=merged, error=error
-            )
+            results.slots[run.key] = run.record(status=status, metrics=merged, error=error)
     else:
         _execute_all(spec, results, fits, runs, jobs)
     results.write()
@@ -844,8 +622,8 @@ def _check_calls(spec: SweepSpec, runs: list[_Run]) -> None:
                 if exit_info.code:
                     message = errors.getvalue().strip().splitlines()[-1]
                     message = message.removeprefix("ada: error: ")
-                    what = "the shared fit" if run.variant == _SHARED_FIT else run.variant
-                    raise SweepSpecError(f"{spec.path}: {what!r}: {message}") from None
+                    what = "the shared fit" if run.variant == _SHARED_FIT else repr(run.variant)
+                    raise SweepSpecError(f"{spec.path}: {what}: {message}") from None
 
 
 def _execute_all(
@@ -853,7 +631,9 @@ def _execute_all(
 ) -> None:
     """Run the shared fits and the variant runs, ``jobs`` at a time, skipping finished ones.
 
-    A variant run starts once the shared fit of its seed is done (not all of them).
+    A run starts once the shared fits it depends on are done: a fit of ``fits`` after the fits
+    before it, a variant run after the fits of its seed (not all of them). If one of those
+    failed, the run fails without starting, naming it.
     """
     env = dict(os.environ)
     if jobs > 1 and "OMP_NUM_THREADS" not in env:
@@ -864,51 +644,56 @@ def _execute_all(
     # killed again still remembers them (resume compares configurations before reusing one).
     for key in results.slots:
         results.slots[key] = earlier_records.get(key)
-    total, counter, rerun_fits = len(fits) + len(runs), itertools.count(1), set()
+    total, counter = len(fits) + len(runs), itertools.count(1)
+    rerun_fits: set[tuple[str, int]] = set()
 
     def label(run: _Run) -> str:
-        what = "shared fit" if run.variant == _SHARED_FIT else f"variant={run.variant}"
-        return f"{what} seed={run.seed}"
+        return f"{run.describe()} seed={run.seed}"
 
     def step(run: _Run) -> None:
-        fresh = run.record(spec.base, status="failed", metrics={})
-        earlier = done.get((run.variant, run.seed))
-        dep = run.depends_on
-        if earlier and earlier.same_run(fresh) and (dep is None or dep.seed not in rerun_fits):
+        earlier = done.get(run.key)
+        fresh = run.record(status="failed", metrics={})
+        deps_kept = not any(dep.key in rerun_fits for dep in run.depends_on)
+        if earlier and earlier.same_run(fresh) and deps_kept:
             results.set(earlier)
             _progress(next(counter), total, label(run), "ok earlier, skipped")
             return
-        if dep is not None and results.slots[(dep.variant, dep.seed)].status != "ok":
-            error = f"shared fit for seed {run.seed} failed; see {dep.run_dir}"
-            results.set(run.record(spec.base, status="failed", metrics={}, error=error))
+        failed = [dep for dep in run.depends_on if results.slots[dep.key].status != "ok"]
+        if failed:
+            error = f"{failed[0].describe()} for seed {run.seed} failed; see {failed[0].run_dir}"
+            results.set(run.record(status="failed", metrics={}, error=error))
             _progress(next(counter), total, label(run), "failed (no shared checkpoint)")
             return
-        if run.variant == _SHARED_FIT:
-            rerun_fits.add(run.seed)
+        if run.is_fit:
+            rerun_fits.add(run.key)
         print(f"[start] {label(run)}", file=sys.stderr, flush=True)
-        record = run.record(spec.base, **_execute(run, spec.metrics, env))
+        record = run.record(**_execute(run, spec.metrics, env))
         results.set(record)
         outcome = f"{record.status} ({record.wall_s:.1f} s)"
         if record.error:
             outcome += f": {record.error.splitlines()[-1]}"
         _progress(next(counter), total, label(run), outcome)
 
+    # A run waits only for runs queued before it, so it never holds a worker that one of them
+    # needs: every shared fit is queued before any variant run, the fits of ``fits`` by their
+    # place in the order (the first fit of every seed, then the second, ...), and the runs of
+    # the seeds whose fits were queued first come first, so they start once their fits are done.
+    fits = sorted(fits, key=lambda fit: len(fit.depends_on))
+    seed_order = list(dict.fromkeys(fit.seed for fit in fits))
+    if fits:
+        runs = sorted(runs, key=lambda run: seed_order.index(run.seed))
+    futures: dict[tuple[str, int], Future[None]] = {}
+
+    def after_deps(run: _Run) -> None:
+        for dep in run.depends_on:
+            futures[dep.key].result()
+        step(run)
+
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         try:
-            # Every shared fit is queued before any variant run, so a run that waits for its
-            # seed's fit never holds a worker that fit needs; runs of the seeds whose fits were
-            # queued first come first, so they start as soon as their own fit is done.
-            fitted = {fit.seed: pool.submit(step, fit) for fit in fits}
-            if fits:
-                order = [fit.seed for fit in fits]
-                runs = sorted(runs, key=lambda run: order.index(run.seed))
-
-            def after_fit(run: _Run) -> None:
-                if run.depends_on is not None:
-                    fitted[run.depends_on.seed].result()
-                step(run)
-
-            for future in [*fitted.values(), *(pool.submit(after_fit, run) for run in runs)]:
+            for run in [*fits, *runs]:
+                futures[run.key] = pool.submit(after_deps, run)
+            for future in list(futures.values()):
                 future.result()
         except BaseException:  # Ctrl-C: start no further runs
             pool.shutdown(wait=False, cancel_futures=True)
@@ -957,9 +742,10 @@ def _outputs(
     missing = [m.name for m in spec.metrics if f"{file_name(m.name)}.png" not in charted]
     if missing:
         lines.append(f"No chart for {', '.join(missing)}: no successful run logged a finite value.")
+    fit_folder = "shared_fit/<fit>/seed_<seed>" if spec.fits else "shared_fit/seed_<seed>"
     for kind, folder, group in (
         ("runs", "runs/<variant>/seed_<seed>", records),
-        ("shared fits", "shared_fit/seed_<seed>", shared_fits),
+        ("shared fits", fit_folder, shared_fits),
     ):
         if not group:
             continue

@@ -13,6 +13,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,9 @@ from ada_modules.sweep_report import format_table, plot_metrics, summarize
 FIXTURES = Path(__file__).parent / "sweep_fixtures"
 BASE = FIXTURES / "base.yaml"
 ROOT = Path(__file__).resolve().parents[1]
-ALLOWED = "base, fit, grid, metrics, name, overrides, quick, quick_seeds, seeds, stages, variants"
+ALLOWED = (
+    "base, fit, fits, grid, metrics, name, overrides, quick, quick_seeds, seeds, stages, variants"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -268,9 +271,9 @@ def test_editing_the_base_config_invalidates_resume(tmp_path):
         {"base": str(base), "metrics": ["test/score"], "seeds": [0]}, tmp_path / "spec.yaml"
     )
     _, (run,) = sweep._plan(spec, tmp_path, quick=False)
-    before = run.record(spec.base, status="ok", metrics={})
+    before = run.record(status="ok", metrics={})
     base.write_text(BASE.read_text() + "\n# edited\n", encoding="utf-8")
-    after = run.record(spec.base, status="ok", metrics={})
+    after = run.record(status="ok", metrics={})
     assert before.base == after.base and not before.same_run(after)
 
 
@@ -535,7 +538,7 @@ def test_rerun_skips_finished_runs(main_sweep, monkeypatch):
     spec = SweepSpec.from_yaml(FIXTURES / "main.yaml")
     _, full = sweep._plan(spec, out, quick=False)
     for old, run in zip(records, full, strict=True):
-        assert not old.same_run(run.record(spec.base, status="ok", metrics={}))
+        assert not old.same_run(run.record(status="ok", metrics={}))
 
 
 def test_dry_run_lines_run_and_collect_gives_the_same_table(main_sweep, monkeypatch):
@@ -680,3 +683,281 @@ def test_a_metric_that_is_not_required_may_be_missing():
     assert Metric.parse({"name": "val/loss", "required": True}) == Metric("val/loss", "min", True)
     with pytest.raises(InputError, match="required of 'x' must be true or false"):
         Metric.parse({"name": "x", "required": "no"})
+
+
+# --- named shared fits (`fits`) ---------------------------------------------------------------
+
+FITS = FIXTURES / "fits.yaml"
+WEIGHTS = FIXTURES / "weights.yaml"
+
+
+def fits_spec(**changes) -> SweepSpec:
+    """The fits.yaml fixture spec, with top-level keys replaced (``None`` removes one)."""
+    data = yaml.safe_load(FITS.read_text())
+    data.update(changes)
+    return SweepSpec.from_dict({k: v for k, v in data.items() if v is not None}, FITS)
+
+
+def fake_runs(monkeypatch, out: Path, fail=(), delay: float = 0.0) -> list[tuple[str, ...]]:
+    """Replace the CLI subprocesses: a call writes its metrics file and returns 0, or 1 for a run
+    folder (relative to ``out``) in ``fail``; a fit also writes ``images/fit.png``. Returns the
+    events ("start"/"end", stage, run folder relative to ``out``) in the order they happened."""
+    events = []
+
+    def fake(command, log, env):
+        stage, args = command[3], dict(a.split("=", 1) for a in command[4:] if "=" in a)
+        run_dir = Path(args["--trainer.default_root_dir"])
+        where = run_dir.relative_to(out.resolve()).as_posix()
+        events.append(("start", stage, where))
+        time.sleep(delay)
+        log.write_text("fake run\n")
+        if where in fail:
+            events.append(("end", stage, where))
+            return 1
+        metrics = {"test/score": 1.0, "test/steps": 0.0} if stage == "test" else {}
+        Path(args["--metrics_file"]).write_text(json.dumps(metrics))
+        if stage == "fit":
+            (run_dir / "images").mkdir()
+            (run_dir / "images" / "fit.png").write_bytes(b"png")
+        events.append(("end", stage, where))
+        return 0
+
+    monkeypatch.setattr(sweep, "_run_command", fake)
+    return events
+
+
+def started(events) -> list[str]:
+    return [where for kind, _, where in events if kind == "start"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("fit: {}\nfits: [{name: a}]\n", "'fit' and 'fits' exclude each other"),
+        ("fits: []\n", "'fits' must be a non-empty list of {name, base, overrides, quick}"),
+        ("fits: [{name: a}, {name: a}]\n", "two of 'fits' are named 'a'"),
+        ("fits: [{name: a/b}]\n", "fits[0]: 'name' must be a plain file name, got 'a/b'"),
+        ("fits: [{name: a, overide: {}}]\n", "unknown key 'overide' in fit 'a'"),
+        ("fits: [{name: a, quick: [1]}]\n", "'fits[0].quick' must be a mapping"),
+        ("fits: [{name: a}]\nstages: [fit, test]\n", "must not include 'fit' when 'fits'"),
+        (
+            "fits: [{name: a}, {name: b}]\nvariants: [{name: v, overrides: {x: '{fit_dir:c}/m'}}]\n",
+            "variant 'v': unknown fit 'c' in '{fit_dir:c}'; fits: a, b",
+        ),
+        (
+            "variants: [{name: v, stage_overrides: {test: {x: '{fit_dir:a}'}}}]\n",
+            "variant 'v': unknown fit 'a' in '{fit_dir:a}'; the spec has no 'fits'",
+        ),
+        (
+            "fits: [{name: a, overrides: {x: '{fit_dir:b}'}}, {name: b}]\n",
+            "fits[0].overrides: fit 'a' cannot use '{fit_dir:b}': fit 'b' does not run before it",
+        ),
+        (
+            "fits: [{name: a, quick: {x: '{fit_dir:a}'}}]\n",
+            "fits[0].quick: fit 'a' cannot use '{fit_dir:a}': fit 'a' does not run before it",
+        ),
+        (
+            "fits: [{name: a}, {name: b, overrides: {x: '{fit_dir}'}}]\n",
+            "fits[1].overrides: fit 'b' cannot use '{fit_dir}': fit 'b' does not run before it "
+            "(a fit may use only the folders of earlier fits); '{fit_dir}' is the last fit, "
+            "{run_dir} a run's own folder",
+        ),
+        (
+            "fits: [{name: a}, {name: b}]\noverrides: {x: '{fit_dir:a}'}\n",
+            "'overrides' (added to every fit too): fit 'a' cannot use '{fit_dir:a}'",
+        ),
+    ],
+)
+def test_bad_fits_fail_with_one_line(tmp_path, text, message):
+    with pytest.raises(SweepSpecError) as error:
+        SweepSpec.from_yaml(write_spec(tmp_path, text))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_fit_base_that_does_not_exist(tmp_path):
+    spec = write_spec(tmp_path, "fits: [{name: a}, {name: b, base: [nope.yaml]}]\n")
+    with pytest.raises(SweepSpecError) as error:
+        SweepSpec.from_yaml(spec)
+    missing = tmp_path / "nope.yaml"
+    assert str(error.value) == f"{spec.resolve()}: base config of fit 'b' not found: {missing}"
+
+
+def test_fits_spec_defaults():
+    spec = SweepSpec.from_yaml(FITS)
+    assert spec.shared_fit is None and spec.stages == ["test"]
+    assert [(f.name, f.base, f.quick) for f in spec.fits] == [
+        ("base", [BASE], None),
+        ("more", [BASE, WEIGHTS], {"trainer.max_steps": 2}),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("quick", "steps"), [(False, {"base": 2, "more": 3}), (True, {"base": 1, "more": 2})]
+)
+def test_fits_plan_order_folders_configs_and_placeholders(tmp_path, quick, steps):
+    out = tmp_path / "out"
+    fits, runs = sweep._plan(SweepSpec.from_yaml(FITS), out, quick=quick)
+    seeds = [0] if quick else [0, 1]
+    assert [(f.variant, f.seed) for f in fits] == [
+        (f"(shared fit: {name})", seed) for seed in seeds for name in ("base", "more")
+    ]
+    for seed in seeds:
+        base, more = [f for f in fits if f.seed == seed]
+        assert base.run_dir == out / "shared_fit" / "base" / f"seed_{seed}"
+        assert more.run_dir == out / "shared_fit" / "more" / f"seed_{seed}"
+        base_ckpt = f"{base.run_dir}/checkpoints/last.ckpt"
+        (_, base_args), (_, more_args) = base.calls[0], more.calls[0]
+        assert base_args[:2] == ("-c", str(BASE))  # the fit's own base
+        assert more_args[:4] == ("-c", str(BASE), "-c", str(WEIGHTS))  # the spec's base
+        assert f"--trainer.max_steps={steps['base']}" in base_args
+        # the spec's quick, then the fit's quick
+        assert f"--trainer.max_steps={steps['more']}" in more_args
+        assert f"--model.init_args.weights={base_ckpt}" in more_args
+        assert any(a.startswith("--trainer.callbacks+=") for a in more_args)
+        assert (base.depends_on, more.depends_on) == ((), (base,))
+        assert (base.shared_fit, more.shared_fit) == (None, {"base": base.overrides})
+        assert base.base == (BASE,) and more.base == (BASE, WEIGHTS)
+        from_base, from_more = [r for r in runs if r.seed == seed]
+        assert from_base.run_dir == out / "runs" / "from_base" / f"seed_{seed}"
+        assert from_base.overrides["model.init_args.weights"] == base_ckpt
+        # plain {fit_dir}: the last fit
+        assert (
+            from_more.overrides["model.init_args.weights"]
+            == f"{more.run_dir}/checkpoints/last.ckpt"
+        )
+        for run in (from_base, from_more):
+            assert run.depends_on == (base, more) and run.stages == ("test",)
+            assert run.shared_fit == {"base": base.overrides, "more": more.overrides}
+    assert not any(
+        "--ckpt_path" in a for run in [*fits, *runs] for _, args in run.calls for a in args
+    )
+
+
+def test_fits_dry_run_lists_each_seeds_fits_in_order_first(tmp_path):
+    out = tmp_path / "out"
+    _, stdout, _ = quietly(run_sweep, FITS, out=out, dry_run=True)
+    lines = stdout.splitlines()
+    assert lines[0] == "# 4 shared fit(s): run these first, in order"
+    assert lines[5] == "# 4 run(s) using the shared fits" and len(lines) == 10
+    fits = [dict(a.split("=", 1) for a in shlex.split(line) if "=" in a) for line in lines[1:5]]
+    assert all(shlex.split(line)[:2] == ["ada", "fit"] for line in lines[1:5])
+    assert [
+        (
+            Path(f["--trainer.default_root_dir"]).relative_to(out.resolve()).as_posix(),
+            f["--seed_everything"],
+        )
+        for f in fits
+    ] == [
+        ("shared_fit/base/seed_0", "0"),
+        ("shared_fit/more/seed_0", "0"),
+        ("shared_fit/base/seed_1", "1"),
+        ("shared_fit/more/seed_1", "1"),
+    ]
+    assert all(shlex.split(line)[:2] == ["ada", "test"] for line in lines[6:])
+    assert "--ckpt_path" not in stdout and not out.exists()
+
+
+def test_a_bad_override_of_a_fit_names_the_fit(tmp_path, monkeypatch):
+    events = fake_runs(monkeypatch, tmp_path / "out")
+    fits = yaml.safe_load(FITS.read_text())["fits"]
+    fits[1]["overrides"]["model.init_args.wieghts"] = "x"
+    with pytest.raises(SweepSpecError, match=r"'\(shared fit: more\)': .*'wieghts'"):
+        run_sweep(fits_spec(fits=fits), out=tmp_path / "out")
+    assert events == [] and not (tmp_path / "out").exists()
+
+
+def test_a_failed_fit_fails_the_rest_of_its_seed_without_running_it(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    events = fake_runs(monkeypatch, out, fail={"shared_fit/base/seed_0"})
+    records, stdout, stderr = quietly(run_sweep, FITS, out=out)
+    # seed 0 stops after its failed first fit; seed 1 runs everything, each fit after the one before
+    assert started(events) == [
+        "shared_fit/base/seed_0",
+        "shared_fit/base/seed_1",
+        "shared_fit/more/seed_1",
+        "runs/from_base/seed_1",
+        "runs/from_more/seed_1",
+    ]
+    error = f"shared fit 'base' for seed 0 failed; see {out.resolve()}/shared_fit/base/seed_0"
+    assert [(r.variant, r.seed, r.status, r.error) for r in records] == [
+        ("from_base", 0, "failed", error),
+        ("from_base", 1, "ok", None),
+        ("from_more", 0, "failed", error),
+        ("from_more", 1, "ok", None),
+    ]
+    data = json.loads((out / "results.json").read_text())
+    fits = [(f["variant"], f["seed"], f["status"], f["base"]) for f in data["shared_fits"]]
+    assert fits == [
+        ("(shared fit: base)", 0, "failed", [str(BASE)]),
+        ("(shared fit: more)", 0, "failed", [str(BASE), str(WEIGHTS)]),
+        ("(shared fit: base)", 1, "ok", [str(BASE)]),
+        ("(shared fit: more)", 1, "ok", [str(BASE), str(WEIGHTS)]),
+    ]
+    assert data["shared_fits"][1]["error"] == error
+    assert "[3/8] shared fit 'more' seed=0 ... failed (no shared checkpoint)" in stderr
+    assert stdout.splitlines()[-2:] == [
+        f"Images written by the shared fits (in {out.resolve()}/shared_fit/<fit>/seed_<seed>/):",
+        "  images/fit.png: 2 of 4 shared fits",
+    ]
+
+
+def test_fits_with_jobs_wait_for_the_fits_before_them(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    events = fake_runs(monkeypatch, out, delay=0.02)
+    records, _, _ = quietly(run_sweep, FITS, out=out, jobs=3)
+    assert all(r.status == "ok" for r in records)
+    order = {(kind, where): i for i, (kind, _, where) in enumerate(events)}
+    assert len(order) == 16  # 8 runs started and ended once each
+    for seed in (0, 1):
+        base, more = (f"shared_fit/{name}/seed_{seed}" for name in ("base", "more"))
+        assert order[("start", more)] > order[("end", base)]
+        for variant in ("from_base", "from_more"):
+            assert order[("start", f"runs/{variant}/seed_{seed}")] > order[("end", more)]
+
+
+def test_changing_a_later_fit_reruns_it_and_its_seeds_variants_only(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    spec = fits_spec(seeds=[0])
+    events = fake_runs(monkeypatch, out)
+    quietly(run_sweep, spec, out=out)
+    assert len(started(events)) == 4
+    events.clear()
+    _, _, stderr = quietly(run_sweep, spec, out=out)
+    assert events == [] and stderr.count("ok earlier, skipped") == 4
+    fits = yaml.safe_load(FITS.read_text())["fits"]
+    fits[1]["overrides"]["trainer.max_steps"] = 4
+    records, _, stderr = quietly(run_sweep, fits_spec(seeds=[0], fits=fits), out=out)
+    assert started(events) == [
+        "shared_fit/more/seed_0",
+        "runs/from_base/seed_0",
+        "runs/from_more/seed_0",
+    ]
+    assert "shared fit 'base' seed=0 ... ok earlier, skipped" in stderr
+    assert records[0].shared_fit["more"]["trainer.max_steps"] == 4
+
+    # A fit that runs again with the same configuration (here: recorded as failed) reruns the
+    # later fits and the variants of its seed too: they were trained from its earlier weights.
+    results = json.loads((out / "results.json").read_text())
+    results["shared_fits"][0]["status"] = "failed"
+    (out / "results.json").write_text(json.dumps(results))
+    events.clear()
+    quietly(run_sweep, fits_spec(seeds=[0], fits=fits), out=out)
+    assert started(events) == [
+        "shared_fit/base/seed_0",
+        "shared_fit/more/seed_0",
+        "runs/from_base/seed_0",
+        "runs/from_more/seed_0",
+    ]
+
+
+@pytest.mark.slow
+def test_fits_sweep_end_to_end(tmp_path):
+    """The quick profile for real: `more` trains from base's checkpoint (1 + 2 steps)."""
+    records, _, _ = quietly(run_sweep, FITS, out=tmp_path, quick=True, jobs=2)
+    assert [(r.variant, r.status, r.metrics) for r in records] == [
+        ("from_base", "ok", {"test/score": 0.0, "test/steps": 1.0}),
+        ("from_more", "ok", {"test/score": 10.0, "test/steps": 3.0}),
+    ], [r.error for r in records]
+    for name in ("base", "more"):
+        assert (tmp_path / "shared_fit" / name / "seed_0" / "checkpoints" / "last.ckpt").is_file()
