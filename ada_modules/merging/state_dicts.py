@@ -1,0 +1,211 @@
+"""State dicts as the merge methods see them: checks, task vectors and linear layers.
+
+A state dict is a ``Mapping[str, Tensor]``. A *linear layer* ``L`` is a 2-D ``L.weight`` of shape
+``(out, in)`` with an optional 1-D ``L.bias`` of size ``out`` (a top-level layer has the keys
+``weight`` and ``bias`` and the name ``""``). Its *augmented weight* is ``W~ = [W | b]``, shape
+``(out, in + 1)`` with a bias, acting on the augmented input ``x~ = [x; 1]``. Only floating-point
+tensors are merged; integer and boolean tensors (counters, masks) are copied from the base.
+
+Example:
+    >>> import torch
+    >>> base = {"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2), "steps": torch.tensor(0)}
+    >>> tuned = {**base, "fc.weight": torch.ones(2, 3)}
+    >>> linear_layers(base)
+    ['fc']
+    >>> task_vectors(base, [tuned])[0]["fc.weight"].sum().item()
+    6.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ada_modules.errors import InputError
+
+__all__ = [
+    "augmented_weight",
+    "check_compatible",
+    "check_weights",
+    "compute_dtype",
+    "is_mergeable",
+    "key",
+    "linear_layers",
+    "set_augmented_weight",
+    "task_vectors",
+]
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+def key(layer: str, leaf: str) -> str:
+    """The state-dict key of ``leaf`` (``"weight"``, ``"bias"``) in ``layer``.
+
+    >>> key("features.1", "weight"), key("", "bias")
+    ('features.1.weight', 'bias')
+    """
+    return f"{layer}.{leaf}" if layer else leaf
+
+
+def is_mergeable(tensor: torch.Tensor) -> bool:
+    """Whether merges combine this tensor (floating point) or copy it from the base (the rest)."""
+    return tensor.is_floating_point()
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype merges compute in: float64 for float64 tensors, float32 for narrower ones."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def _describe(role: str, name: str | int) -> str:
+    return f"{role} {name!r}" if isinstance(name, str) else f"{role} {name}"
+
+
+def check_compatible(
+    base: StateDict,
+    others: Sequence[StateDict],
+    names: Sequence[str] | None = None,
+    *,
+    role: str = "specialist",
+) -> None:
+    """Check that every state dict in ``others`` has the base's keys, shapes and dtypes.
+
+    Args:
+        base: The reference state dict.
+        others: The state dicts to merge with it.
+        names: A name per state dict for the messages (default: its index).
+        role: What the others are, for the messages (``"specialist"``, ``"member"``).
+
+    Raises:
+        InputError: Naming the first mismatching model and key.
+
+    Example:
+        >>> import torch
+        >>> base = {"features.1.weight": torch.zeros(64, 64)}
+        >>> other = {"features.1.weight": torch.zeros(64, 65)}
+        >>> check_compatible(base, [other], names=["rot90"])
+        Traceback (most recent call last):
+        ...
+        ada_modules.errors.InputError: specialist 'rot90': key 'features.1.weight' has shape (64, 65), the base has (64, 64)
+    """
+    if not isinstance(base, Mapping) or not base:
+        raise InputError(f"the base must be a non-empty state dict, got {type(base).__name__}")
+    if isinstance(others, Mapping) or not isinstance(others, Sequence):
+        raise InputError(f"the {role}s must be a list of state dicts, got {type(others).__name__}")
+    if names is not None and len(names) != len(others):
+        raise InputError(f"{len(names)} names given for {len(others)} {role}s")
+    for name, tensor in base.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise InputError(
+                f"the base: key {name!r} must be a tensor, got {type(tensor).__name__}"
+            )
+    for index, other in enumerate(others):
+        who = _describe(role, names[index] if names is not None else index)
+        if not isinstance(other, Mapping):
+            raise InputError(f"{who} must be a state dict, got {type(other).__name__}")
+        for name, reference in base.items():
+            if name not in other:
+                raise InputError(f"{who}: key {name!r} is missing (the base has it)")
+            tensor = other[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise InputError(
+                    f"{who}: key {name!r} must be a tensor, got {type(tensor).__name__}"
+                )
+            if tensor.shape != reference.shape:
+                raise InputError(
+                    f"{who}: key {name!r} has shape {tuple(tensor.shape)}, the base has "
+                    f"{tuple(reference.shape)}"
+                )
+            if tensor.dtype != reference.dtype:
+                raise InputError(
+                    f"{who}: key {name!r} has dtype {tensor.dtype}, the base has {reference.dtype}"
+                )
+        extra = [name for name in other if name not in base]
+        if extra:
+            raise InputError(f"{who}: key {extra[0]!r} is not in the base")
+
+
+def check_weights(
+    weights: Sequence[float] | None, count: int, what: str = "specialists"
+) -> list[float]:
+    """The merge weights as floats (default: 1 each), checked against the number of models.
+
+    >>> check_weights(None, 2), check_weights([0.5, 1], 2)
+    ([1.0, 1.0], [0.5, 1.0])
+    """
+    if weights is None:
+        return [1.0] * count
+    if isinstance(weights, str | bytes) or not isinstance(weights, Sequence):
+        raise InputError(f"weights must be a list of numbers, got {weights!r}")
+    if len(weights) != count:
+        raise InputError(f"weights has {len(weights)} entries for {count} {what}: {list(weights)}")
+    for value in weights:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InputError(f"weights must be numbers, got {value!r} in {list(weights)}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise InputError(f"weights must be finite, got {value!r} in {list(weights)}")
+    return [float(value) for value in weights]
+
+
+def task_vectors(
+    base: StateDict, specialists: Sequence[StateDict]
+) -> list[dict[str, torch.Tensor]]:
+    """``τ_i = θ_i − θ_0`` for every floating-point tensor (in float32, or float64 for float64).
+
+    Integer and boolean tensors have no task vector: merges copy them from the base.
+    """
+    check_compatible(base, specialists)
+    return [
+        {
+            name: tuned[name].to(compute_dtype(tensor)) - tensor.to(compute_dtype(tensor))
+            for name, tensor in base.items()
+            if is_mergeable(tensor)
+        }
+        for tuned in specialists
+    ]
+
+
+def linear_layers(state_dict: StateDict) -> list[str]:
+    """Names ``L`` with a 2-D floating ``L.weight`` (and, if any, a 1-D ``L.bias`` of its size).
+
+    The test is on shapes alone, so an embedding table counts too; the merges that use
+    activation statistics only treat layers that have statistics.
+    """
+    layers = []
+    for name, tensor in state_dict.items():
+        if not (name == "weight" or name.endswith(".weight")):
+            continue
+        if tensor.ndim != 2 or not is_mergeable(tensor):
+            continue
+        layer = name[: -len("weight")].rstrip(".")
+        bias = state_dict.get(key(layer, "bias"))
+        if bias is not None and (bias.ndim != 1 or bias.shape[0] != tensor.shape[0]):
+            continue
+        layers.append(layer)
+    return layers
+
+
+def augmented_weight(state_dict: StateDict, layer: str) -> torch.Tensor:
+    """``W~ = [W | b]`` in float64 (``W`` alone when the layer has no bias).
+
+    >>> import torch
+    >>> augmented_weight({"weight": torch.ones(2, 3), "bias": torch.zeros(2)}, "").shape
+    torch.Size([2, 4])
+    """
+    weight = state_dict[key(layer, "weight")].to(torch.float64)
+    bias = state_dict.get(key(layer, "bias"))
+    if bias is None:
+        return weight
+    return torch.cat([weight, bias.to(device=weight.device, dtype=torch.float64)[:, None]], dim=1)
+
+
+def set_augmented_weight(
+    target: dict[str, torch.Tensor], reference: StateDict, layer: str, value: torch.Tensor
+) -> None:
+    """Write ``W~`` back into ``target`` as ``L.weight`` (and ``L.bias``), in ``reference``'s dtypes."""
+    weight = reference[key(layer, "weight")]
+    target[key(layer, "weight")] = value[:, : weight.shape[1]].to(weight.dtype).contiguous()
+    bias_key = key(layer, "bias")
+    if bias_key in reference:
+        target[bias_key] = value[:, weight.shape[1]].to(reference[bias_key].dtype).contiguous()
