@@ -8,6 +8,7 @@ from a Hugging Face model.
 """
 
 from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpad
+from ada_modules.data.digit_domains import DIGIT_DOMAINS, DigitDomainsDataModule
 from ada_modules.data.digits import DigitsDataModule
 from ada_modules.data.env_tasks import EnvTaskDataModule
 from ada_modules.data.kv_capture import (
@@ -35,6 +36,7 @@ from ada_modules.data.rope_drift import (
 )
 from ada_modules.data.sequence_task import SequenceCollator, SequenceExample, SequenceTaskDataModule
 from ada_modules.data.split_datamodule import SplitDataModule
+from ada_modules.data.task_domains import TaskDomainsDataModule
 from ada_modules.data.tokenizer import CharTokenizer
 
 __all__ = [
@@ -43,6 +45,8 @@ __all__ = [
     "CapturedKV",
     "CapturedKVDataModule",
     "CharTokenizer",
+    "DIGIT_DOMAINS",
+    "DigitDomainsDataModule",
     "DigitsDataModule",
     "EnvTaskDataModule",
     "NeedleRecallDataModule",
@@ -55,6 +59,7 @@ __all__ = [
     "SequenceExample",
     "SequenceTaskDataModule",
     "SplitDataModule",
+    "TaskDomainsDataModule",
     "addition_scratchpad",
     "apply_rope",
     "capture_attention",
