@@ -35,6 +35,7 @@ from ada_modules.kv import (
     ADKVParams,
     KIVICache,
 )
+from ada_modules.merging import ActivationStats, amaris
 from ada_modules.models import ADKVCalibrationModule, CausalLMModule
 from ada_modules.nn import wrap_timm
 from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
@@ -45,6 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "bad-input.md"
 QUICKSTART = "cli_configs/quickstart.yaml"
 TINY = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.callbacks=[]"]
+AMARIS = "cli_configs/amaris/merge.yaml"
+MERGED = "--model.output_dir={tmp}/merged"  # never runs/amaris/merged
 
 
 def _calibrate_on_wrong_head_dim() -> None:
@@ -147,6 +150,14 @@ def _twice() -> None:
 
 
 TINY_LM = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2}
+
+
+def _fc(out: int = 3, inputs: int = 4) -> dict[str, torch.Tensor]:
+    return {"fc.weight": torch.zeros(out, inputs), "fc.bias": torch.zeros(out)}
+
+
+def _stats(second_moment: torch.Tensor, count: int = 100) -> dict[str, ActivationStats]:
+    return {"fc": ActivationStats(second_moment, count, has_bias=True)}
 
 
 def _sweep_spec(tmp: Path, text: str) -> Path:
@@ -397,6 +408,50 @@ CASES = [
         "callbacks",
         "`TrainingCurves(every_n_steps=0)`",
         _raises(lambda tmp: TrainingCurves(every_n_steps=0)),
+    ),
+    Case(
+        "merging",
+        "`ada test -c cli_configs/amaris/merge.yaml --model.parameters '{budget: 1.5}'`",
+        _cli(["test", "-c", AMARIS, MERGED, "--model.parameters={budget: 1.5}"]),
+    ),
+    Case(
+        "merging",
+        "`ada test -c cli_configs/amaris/merge.yaml --model.merge_method slerp`",
+        _cli(["test", "-c", AMARIS, MERGED, "--model.merge_method=slerp"]),
+    ),
+    Case(
+        "merging",
+        "`ada test -c cli_configs/amaris/merge.yaml --model.base_model missing.ckpt`",
+        _cli(["test", "-c", AMARIS, MERGED, "--model.base_model={tmp}/missing.ckpt"]),
+    ),
+    Case(
+        "merging",
+        "`amaris(base, [specialist], ...)` with a specialist whose `fc` is 4 x 5 "
+        "(the base's is 3 x 4)",
+        _raises(
+            lambda tmp: amaris(_fc(), [_fc(4, 5)], [_stats(torch.eye(5))], _stats(torch.eye(5)))
+        ),
+    ),
+    Case(
+        "merging",
+        "`amaris(...)` with base statistics whose covariance has a negative eigenvalue",
+        _raises(
+            lambda tmp: amaris(
+                _fc(),
+                [_fc()],
+                [_stats(torch.eye(5))],
+                _stats(torch.diag(torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0]))),
+            )
+        ),
+    ),
+    Case(
+        "merging",
+        "`amaris(..., ridge=0)` with base statistics from 2 samples (5-dim inputs)",
+        _raises(
+            lambda tmp: amaris(
+                _fc(), [_fc()], [_stats(torch.eye(5))], _stats(torch.eye(5), count=2), ridge=0
+            )
+        ),
     ),
     # fmt: on
     Case("sweeps", "`ada sweep missing.yaml`", _cli(["sweep", "{tmp}/missing.yaml"])),

@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -412,10 +412,8 @@ def save_stats(stats: Mapping[str, ActivationStats], path: str | os.PathLike[str
         }
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(
-        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
-    )
-    os.close(handle)
+    # a unique name, created by torch.save with the umask's permissions (mkstemp's are 0600)
+    temporary = target.parent / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     try:
         torch.save({"format": _FORMAT, "layers": layers}, temporary)
         os.replace(temporary, target)
