@@ -10,6 +10,9 @@ entry, see docs/contributing.md):
 - ``ATTENTIONS`` (at test): transformers' SDPA, AdaCal's sparse prefill (every test prompt takes
   the sparse path: blocks of 16, no minimum length).
 
+Merging (AMARIS) is not a factor of a training run: it acts on checkpoints afterwards. Its test
+below merges a specialist of each wrapper into its base and generates through every cache.
+
 :func:`pairwise_rows` picks rows of the product that together hold every pair of values of
 two factors (greedy all-pairs); each row fits a tiny Llama ``CausalLMModule`` on one fixed recall
 batch for a few steps (loss must go down), then tests it with a short ``generate`` through the
@@ -39,6 +42,7 @@ import ada_modules.attention  # noqa: F401  (registers the sparse prefill attent
 from ada_modules.callbacks import ConnectivityMonitor, SparsePrefillMonitor
 from ada_modules.data import RecallDataModule
 from ada_modules.kv import AdaKVQCache, ADKVCache, KIVICache
+from ada_modules.merging import amaris, collect_activation_stats, output_deviation
 from ada_modules.models import CausalLMModule
 from ada_modules.nn import ConnectivityWrapper
 from ada_modules.optim import AcceleGradSharp, Muon, Scion
@@ -332,3 +336,62 @@ def test_compose_yaml_fits_on_two_processes_then_tests_with_the_adakvq_cache(tmp
     # fp32 K and V of 4 layers x 64 channels: 2048 bytes per token. AdaKVQ stores 4.5 bits per
     # element, but keeps its last 16 tokens in fp32: on these ~30-token prompts about 0.42 x FP.
     assert metrics["test/kv_bytes_per_token"] < 2048 / 2
+
+
+def _lm_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_amaris_merges_a_specialist_of_each_wrapper_and_generates_through_every_cache(
+    wrapper, tmp_path
+):
+    """Fit a base on one recall task, fine-tune it on another (a specialist), merge with AMARIS
+    (linear layers gated, the rest, ANCRe's connectivity included, by task arithmetic): the merge
+    keeps its budget on the calibration data and generates through every cache."""
+    seed_everything(0)
+    module = CausalLMModule(
+        hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
+        max_position_embeddings=128, max_new_tokens=4,
+        model_wrapper=WRAPPERS[wrapper]() if WRAPPERS[wrapper] else None,
+        optimizer=partial(torch.optim.AdamW, lr=3e-3),
+    )  # fmt: skip
+    tasks = {
+        name: RecallDataModule(num_pairs=pairs, max_hops=1, key_length=1, num_train=BATCH,
+                               num_val=BATCH, num_test=BATCH, batch_size=BATCH, seed=seed)
+        for name, pairs, seed in (("core", 4, 0), ("specialist", 2, 1))
+    }  # fmt: skip
+    states = {}
+    for name, data in tasks.items():  # the base, then the specialist fine-tuned from it
+        Trainer(
+            accelerator="cpu", max_steps=STEPS, limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        ).fit(module, datamodule=data)  # fmt: skip
+        states[name] = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+    batches = {}
+    for name, data in tasks.items():
+        data.setup("fit")
+        batches[name] = list(data.train_dataloader())
+    module.model.load_state_dict(states["core"])
+    core_stats = collect_activation_stats(module.model, batches["core"], forward=_lm_forward)
+    module.model.load_state_dict(states["specialist"])
+    specialist_stats = collect_activation_stats(
+        module.model, batches["specialist"], forward=_lm_forward
+    )
+    merged, report = amaris(
+        states["core"], [states["specialist"]], [specialist_stats], core_stats, budget=0.05
+    )
+    assert report["layers"] and all(
+        deviation <= 0.05 * (1 + 1e-6)
+        for deviation in output_deviation(states["core"], merged, core_stats).values()
+    )
+    if wrapper == "ancre":  # its connectivity is not a linear layer: task arithmetic moves it
+        connectivity = [k for k in merged if "connectivity" in k]
+        assert any(not torch.equal(merged[k], states["core"][k]) for k in connectivity)
+    module.model.load_state_dict(merged)
+    for name, make_cache in CACHES.items():
+        module.cache_factory = make_cache
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                          enable_model_summary=False)  # fmt: skip
+        metrics = trainer.test(module, datamodule=tasks["specialist"], verbose=False)[0]
+        assert math.isfinite(metrics["test/loss"]) and metrics["test/gen_length"] >= 1, name
