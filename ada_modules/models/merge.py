@@ -36,8 +36,10 @@ class MergeModule(LightningModule):
     the training split), merges, and, if ``output_dir`` is set, writes the merge there at once
     (a temporary folder renamed at the end, so never a partial one): ``merged.ckpt`` (the base
     checkpoint with the merged weights: ``ada test --ckpt_path`` and ``load_from_checkpoint``
-    read it), ``merge_report.json`` (recipe, per-layer ranks and budgets, statistics counts) and
-    ``statistics.pt`` (the activation statistics, for methods that use them).
+    read it), ``merge_report.json`` (recipe, per-layer ranks and budgets, statistics counts),
+    ``statistics.pt`` (the activation statistics, for methods that use them) and, when the module
+    holds a Hugging Face model as ``.model`` (``CausalLMModule``), ``hf_model/``
+    (``save_pretrained``: ``AutoModelForCausalLM.from_pretrained`` reads it).
 
     ``test`` runs the datamodule's test loaders, one per domain of its ``eval_domains``, and
     scores the merged model, the base and every specialist on each (classification accuracy for
@@ -234,6 +236,9 @@ class MergeModule(LightningModule):
                 **self.report,
             }
             (staging / "merge_report.json").write_text(json.dumps(report, indent=2) + "\n")
+            hf_model = getattr(self.merged, "model", None)
+            if hasattr(hf_model, "save_pretrained"):  # a Hugging Face model inside the module
+                hf_model.save_pretrained(staging / "hf_model")
             if self.recipe.statistics == "activations":
                 save_stats(base_stats, staging / "statistics.pt")
                 for i, stats in enumerate(specialist_stats):
