@@ -61,12 +61,14 @@ before that seed's variants, e.g. a base model and then specialists fine-tuned f
     fits:
       - name: base                   # required, unique; folder DIR/shared_fit/base/seed_<seed>/
         base: train_base.yaml        # optional: its own config file(s) (default: the spec's base)
-        overrides: {data.init_args.domain: identity}
+        overrides: {data.init_args.train_domains: [identity]}
       - name: rot90
         base: train_base.yaml
         overrides:                   # after the spec's `overrides`; may use earlier fits' folders
-          data.init_args.domain: rot90
-          model.init_args.init_from: "{fit_dir:base}/checkpoints/last.ckpt"
+          data.init_args.train_domains: [rot90]
+          trainer.callbacks:         # start from the base's weights (LoadWeights callback)
+            - class_path: ada_modules.callbacks.LoadWeights
+              init_args: {path: "{fit_dir:base}/checkpoints/last.ckpt"}
         quick: {trainer.max_epochs: 2}  # optional: after the spec's `quick`, with --quick
     stages: [test]                   # the variants' stages (default [test]; `fit` not allowed)
     variants:

@@ -16,6 +16,9 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 from ada_modules.kernels import triton_available  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
+# Models of the sweep fixtures import each other from their folder, which the sweep puts on
+# PYTHONPATH; they are not test modules and have no doctests.
+collect_ignore_glob = ["sweep_fixtures/*.py"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -379,8 +379,9 @@ def test_amaris_merges_a_specialist_of_each_wrapper_and_generates_through_every_
         module.model, batches["specialist"], forward=_lm_forward
     )
     merged, report = amaris(
-        states["core"], [states["specialist"]], [specialist_stats], core_stats, budget=0.05
-    )
+        states["core"], [states["specialist"]], [specialist_stats], core_stats, budget=0.05,
+        ridge=1e-6,  # few distinct tokens: the inputs of the first layers are rank-deficient
+    )  # fmt: skip
     assert report["layers"] and all(
         deviation <= 0.05 * (1 + 1e-6)
         for deviation in output_deviation(states["core"], merged, core_stats).values()

@@ -30,14 +30,17 @@ linear layer with base weight ``W~₀`` (``[W | b]``) and a specialist's change 
    while they fit, then one fractional gate ``g = √(remaining / a_j)`` that spends the budget
    exactly, then none. Directions with ``γ_j ≤ min_gamma`` (default 1: the specialist's inputs
    use them no more than the base's) are never chosen.
-5. *Merge.* ``W~ = W~₀ + Σ_i ΔW~_i P_i`` (``ΔW~_i`` scaled by the specialist's weight before
+5. *Merge.* ``W~ = W~₀ + s · Σ_i ΔW~_i P_i`` (``ΔW~_i`` scaled by the specialist's weight before
    gating), each of ``n`` specialists getting ``budget / n``. The deviations of the gated changes
-   do not simply add up (there are cross terms between specialists), so the report also gives the
-   predicted deviation of the summed change, ``tr(D Σ_b Dᵀ)`` with ``D = Σ_i ΔW~_i P_i``.
+   do not simply add up (there are cross terms between specialists), so the summed change
+   ``D = Σ_i ΔW~_i P_i`` is checked as a whole: if its predicted deviation ``tr(D Σ_b Dᵀ)``
+   exceeds the budget, it is scaled by ``s = √(budget / predicted) < 1`` so that it meets the
+   budget exactly (``s = 1`` otherwise, and always for one specialist).
 
-``Σ_b`` is regularised as ``Σ_b + ridge · (tr(Σ_b) / d) · I`` for the eigenproblem and the
-predicted deviations (which are then slight over-estimates of the deviation under ``Σ_b``); the
-base energy uses ``Σ_b`` itself. :func:`output_deviation` measures the realised relative deviation
+With ``ridge > 0``, ``Σ_b`` is regularised as ``Σ_b + ridge · (tr(Σ_b) / d) · I`` for the
+eigenproblem and the predicted deviations (which are then over-estimates of the deviation under
+``Σ_b``); the base energy uses ``Σ_b`` itself. The default is no ridge: a ``Σ_b`` that is not
+positive definite (too few samples, inputs that are always zero) is an error that says so. :func:`output_deviation` measures the realised relative deviation
 under any statistics, e.g. held-out core data.
 
 Example:
@@ -154,8 +157,10 @@ def generalized_eigh(
     factor, info = torch.linalg.cholesky_ex(sigma_b)
     if int(info) != 0:
         raise InputError(
-            f"sigma_b must be positive definite (its Cholesky factorisation fails at column "
-            f"{int(info) - 1}); add a ridge or collect more samples"
+            f"sigma_b must be positive definite, but its Cholesky factorisation fails at column "
+            f"{int(info) - 1} of {sigma_b.shape[0]}: the base's inputs span fewer directions "
+            f"than the layer has (too few samples, or inputs that are constant, always zero or "
+            f"drawn from few distinct vectors); set ridge > 0 to regularise, e.g. 1e-6"
         )
     half = torch.linalg.solve_triangular(factor, sigma_s, upper=False)  # L⁻¹ Σ_s
     whitened = torch.linalg.solve_triangular(factor, half.T, upper=False)  # L⁻¹ Σ_s L⁻ᵀ
@@ -300,7 +305,7 @@ def amaris(
     specialist_stats: Sequence[Mapping[str, ActivationStats]],
     base_stats: Mapping[str, ActivationStats],
     budget: float = 0.05,
-    ridge: float = 1e-6,
+    ridge: float = 0.0,
     min_gamma: float = 1.0,
     weights: Sequence[float] | None = None,
     other: Literal["base", "task_arithmetic"] = "task_arithmetic",
@@ -326,7 +331,7 @@ def amaris(
     Returns:
         ``(merged, report)`` with report ``{"method": "amaris", "budget", "ridge", "min_gamma",
         "other", "layers": {name: {"specialists": [LayerReport as dict, ...],
-        "predicted_deviation_total", "deviation_budget", "base_energy"}}}``.
+        "predicted_deviation_total", "deviation_budget", "base_energy", "scale"}}}``.
     """
     budget = _check_number("budget", budget, 0.0, 1.0)
     if isinstance(ridge, bool) or not isinstance(ridge, int | float) or not ridge >= 0:
@@ -384,13 +389,19 @@ def amaris(
                 raise InputError(f"layer {layer!r}: {error}") from error
             total += projected
             entries.append(asdict(entry))
-        set_augmented_weight(merged, base, layer, start + total)
         base_energy = _energy(start, sigma_b)
+        predicted = _energy(total, _ridged(sigma_b, ridge))
+        scale = 1.0
+        if predicted > budget * base_energy:  # cross terms between specialists
+            scale = math.sqrt(budget * base_energy / predicted)
+            total, predicted = scale * total, budget * base_energy
+        set_augmented_weight(merged, base, layer, start + total)
         report["layers"][layer] = {
             "specialists": entries,
-            "predicted_deviation_total": _energy(total, _ridged(sigma_b, ridge)),
+            "predicted_deviation_total": predicted,
             "deviation_budget": budget * base_energy,
             "base_energy": base_energy,
+            "scale": scale,
         }
     return merged, report
 

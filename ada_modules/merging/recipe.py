@@ -14,6 +14,7 @@ from ada_modules.merging.amaris import amaris
 from ada_modules.merging.fisher import fisher_merge
 from ada_modules.merging.parameter_space import dare, task_arithmetic, ties
 from ada_modules.merging.regmean import regmean
+from ada_modules.merging.state_dicts import tied_keys
 from ada_modules.merging.stats import ActivationStats
 
 __all__ = ["METHODS", "MergeRecipe", "ModelEntry", "merge"]
@@ -28,11 +29,22 @@ METHODS: dict[str, tuple[dict[str, Any], str | None]] = {
     "regmean": ({"alpha": 0.5, "ridge": 0.0, "include_base": True}, "activations"),
     "fisher": ({"eps": 1e-8, "include_base": True}, "fisher"),
     "amaris": (
-        {"budget": 0.05, "ridge": 1e-6, "min_gamma": 1.0, "other": "task_arithmetic"},
+        {"budget": 0.05, "ridge": 0.0, "min_gamma": 1.0, "other": "task_arithmetic"},
         "activations",
     ),
 }
 _MODEL_PARAMETERS = ("weight", "density")
+# the per-model parameters each method reads (the others are rejected, not ignored)
+_USES = {
+    "base": (),
+    "task_arithmetic": ("weight",),
+    "ties": ("weight", "density"),
+    "dare_linear": ("weight", "density"),
+    "dare_ties": ("weight", "density"),
+    "regmean": (),
+    "fisher": ("weight",),
+    "amaris": ("weight",),
+}
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,8 @@ class ModelEntry:
 def _check_parameters(where: str, parameters: Mapping[str, Any], allowed: Sequence[str]) -> None:
     for key, value in parameters.items():
         if key not in allowed:
-            raise InputError(f"{where} has unknown key {key!r} (allowed: {', '.join(allowed)})")
+            allowed_text = ", ".join(allowed) or "none"
+            raise InputError(f"{where} has unknown key {key!r} (allowed: {allowed_text})")
         if key in ("weight", "density", "budget", "alpha", "ridge", "eps", "min_gamma"):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise InputError(f"{where}.{key} must be a number, got {value!r}")
@@ -111,9 +124,16 @@ class MergeRecipe:
         if isinstance(models, str | bytes) or not isinstance(models, Sequence) or not models:
             raise InputError(f"models must be a non-empty list of model entries, got {models!r}")
         entries = tuple(ModelEntry.parse(entry, i) for i, entry in enumerate(models))
+        for i, entry in enumerate(entries):
+            for key in entry.parameters:
+                if key not in _USES[method]:
+                    raise InputError(
+                        f"models[{i}].parameters.{key} is not used by merge_method {method!r} "
+                        f"(it reads {', '.join(_USES[method]) or 'no per-model parameter'})"
+                    )
         defaults, _ = METHODS[method]
         given = dict(parameters or {})
-        _check_parameters("parameters", given, [*defaults, *_MODEL_PARAMETERS])
+        _check_parameters("parameters", given, [*defaults, *_USES[method]])
         if "other" in given and given["other"] not in ("base", "task_arithmetic"):
             raise InputError(
                 f"parameters.other must be 'base' or 'task_arithmetic', got {given['other']!r}"
@@ -158,7 +178,10 @@ def merge(
     :class:`~ada_modules.merging.ActivationStats` (of the base on core data and of each specialist
     on its domain) or diagonal Fisher dicts. RegMean and Fisher merge the base too (with its core
     statistics) unless ``include_base`` is false, so that they trade specialist gains against the
-    base's behaviour like the other methods.
+    base's behaviour like the other methods. Tied weights (one tensor under several keys of
+    ``base``, e.g. a language model's embedding and output head) are merged once, under their
+    first key, as that key's method treats it (AMARIS: as a tensor without statistics), and the
+    report lists them under ``tied``.
 
     Example:
         >>> base = {"w": torch.zeros(2)}
@@ -171,6 +194,41 @@ def merge(
         raise InputError(
             f"{len(recipe.models)} models in the recipe but {len(specialists)} state dicts given"
         )
+    tied = tied_keys(base)
+    if not tied:
+        return _merge(recipe, base, specialists, base_stats, specialist_stats, generator)
+
+    # Tied weights are one tensor under several keys: merge it once, under its first key (the
+    # statistics of a layer whose weight is a later key are dropped), then share the result.
+    def untie(state: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in state.items() if k not in tied}
+
+    def layers(stats: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+        if stats is None or recipe.statistics != "activations":
+            return None if stats is None else untie(stats)
+        return {layer: s for layer, s in stats.items() if f"{layer}.weight" not in tied}
+
+    merged, report = _merge(
+        recipe,
+        untie(base),
+        [untie(s) for s in specialists],
+        layers(base_stats),
+        None if specialist_stats is None else [layers(s) for s in specialist_stats],
+        generator,
+    )
+    for later, first in tied.items():
+        merged[later] = merged[first]
+    return merged, {**report, "tied": tied}
+
+
+def _merge(
+    recipe: MergeRecipe,
+    base: Mapping[str, torch.Tensor],
+    specialists: Sequence[Mapping[str, torch.Tensor]],
+    base_stats: Mapping[str, Any] | None,
+    specialist_stats: Sequence[Mapping[str, Any]] | None,
+    generator: torch.Generator | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     p, weights = recipe.parameters, recipe.weights()
     report: dict[str, Any] = {"method": recipe.method, "parameters": p, "weights": weights}
     if recipe.statistics is not None and (base_stats is None or specialist_stats is None):

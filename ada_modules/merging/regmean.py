@@ -116,11 +116,14 @@ def regmean(
         # rounding level instead, so treat pivots that small as singular too.
         tiny = total.shape[0] * torch.finfo(total.dtype).eps * torch.diagonal(total).max()
         if int(info) != 0 or bool(torch.diagonal(factor).min() ** 2 <= tiny):
+            samples = sum(stats[layer].count for stats in member_stats)
+            dim = total.shape[0]
+            few = f"; at least {dim} samples are needed" if samples < dim else ""
             raise InputError(
-                f"layer {layer!r}: the members' summed Gram matrix is singular (too few samples, "
-                f"collinear inputs, or inputs that are always zero, such as dead ReLU units); "
-                f"set ridge > 0 (alpha < 1 helps only the first two), got ridge={ridge}, "
-                f"alpha={alpha}"
+                f"layer {layer!r}: the members' summed Gram matrix is singular ({samples} samples "
+                f"in all for {dim} inputs{few}; or collinear inputs, or inputs that are always "
+                f"zero, such as dead ReLU units); set ridge > 0 (alpha < 1 helps unless an input is "
+                f"always zero), got ridge={ridge}, alpha={alpha}"
             )
         rhs = sum(g @ w.T for g, w in zip(grams, weights, strict=True))
         solution = torch.cholesky_solve(rhs, factor)

@@ -25,6 +25,7 @@ import torch
 from ada_modules.errors import InputError
 
 __all__ = [
+    "tied_keys",
     "augmented_weight",
     "check_compatible",
     "check_weights",
@@ -209,3 +210,30 @@ def set_augmented_weight(
     bias_key = key(layer, "bias")
     if bias_key in reference:
         target[bias_key] = value[:, weight.shape[1]].to(reference[bias_key].dtype).contiguous()
+
+
+def tied_keys(state_dict: StateDict) -> dict[str, str]:
+    """Keys whose tensor is the same tensor as an earlier key's (tied weights, e.g. a language
+    model's ``lm_head.weight`` and ``model.embed_tokens.weight``): ``{later: first}``.
+
+    Example:
+        >>> shared = torch.zeros(3, 2)
+        >>> tied_keys({"embed.weight": shared, "head.weight": shared, "b": torch.zeros(3)})
+        {'head.weight': 'embed.weight'}
+    """
+    first: dict[tuple, str] = {}
+    tied = {}
+    for name, tensor in state_dict.items():
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            continue
+        identity = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
+        if identity in first:
+            tied[name] = first[identity]
+        else:
+            first[identity] = name
+    return tied

@@ -153,6 +153,11 @@ class MergeModule(LightningModule):
         if self.merged is not None:
             return
         datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if self._trainer is not None and self.trainer.world_size > 1:
+            raise InputError(
+                f"MergeModule runs in one process (a merge is computed and written once), got "
+                f"world_size={self.trainer.world_size}; use devices: 1"
+            )
         domains = [self.core_domain, *(entry.domain for entry in self.recipe.models)]
         known = list(getattr(datamodule, "eval_domains", []))
         for domain in domains:

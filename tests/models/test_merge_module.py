@@ -72,7 +72,11 @@ def _module(checkpoints, method="amaris", parameters=None, specialist="specialis
         base_model=kwargs.pop("base_model", checkpoints["base"]),
         models=[entry],
         merge_method=method,
-        parameters={"budget": BUDGET} if parameters is None and method == "amaris" else parameters,
+        parameters=(
+            {"budget": BUDGET, "ridge": 1e-6}
+            if parameters is None and method == "amaris"
+            else parameters
+        ),
         calibration_batches=kwargs.pop("calibration_batches", CALIBRATION_BATCHES),
         **kwargs,
     )

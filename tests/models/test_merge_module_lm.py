@@ -4,6 +4,7 @@ out), the merged model written as a Hugging Face folder, and exact-match scores 
 import copy
 import json
 
+import pytest
 import torch
 from lightning.pytorch import Trainer
 from transformers import AutoModelForCausalLM
@@ -18,10 +19,12 @@ def _trainer(folder):
                    default_root_dir=folder)  # fmt: skip
 
 
-def test_amaris_merge_of_causal_lms_writes_a_hugging_face_folder(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
+def test_amaris_merge_of_causal_lms_writes_a_hugging_face_folder(tmp_path, tied):
     torch.manual_seed(0)
     base = CausalLMModule(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
-                          intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+                          intermediate_size=64, max_position_embeddings=64,
+                          config_overrides={"tie_word_embeddings": tied})  # fmt: skip
     specialist = copy.deepcopy(base)
     with torch.no_grad():
         for parameter in specialist.parameters():
@@ -41,7 +44,7 @@ def test_amaris_merge_of_causal_lms_writes_a_hugging_face_folder(tmp_path):
                                  batch_size=16, eval_batch_size=8)  # fmt: skip
     merge = MergeModule(
         base_model=paths["base"], models=[{"model": paths["specialist"], "domain": "long"}],
-        merge_method="amaris", parameters={"budget": 0.05},
+        merge_method="amaris", parameters={"budget": 0.05, "ridge": 1e-6},
         model_class="ada_modules.models.CausalLMModule", core_domain="short",
         output_dir=str(tmp_path / "merged"),
     )  # fmt: skip
@@ -61,3 +64,12 @@ def test_amaris_merge_of_causal_lms_writes_a_hugging_face_folder(tmp_path):
         merge.merged.model.model.layers[0].mlp.up_proj.weight,
         merge.base.model.model.layers[0].mlp.up_proj.weight,
     )
+    head, embedding = (
+        merge.merged.model.lm_head.weight,
+        merge.merged.model.model.embed_tokens.weight,
+    )
+    if tied:  # one tensor, merged once (as the embedding, without statistics), still shared
+        assert report["tied"] == {"model.lm_head.weight": "model.model.embed_tokens.weight"}
+        assert head is embedding and not torch.equal(embedding, merge.base.model.lm_head.weight)
+    else:
+        assert "tied" not in report and not torch.equal(head, embedding)
