@@ -38,7 +38,7 @@ class ActivationStatsCallback(Callback):
     Attributes:
         stats: ``{layer: ActivationStats}`` from the last validation run (empty before).
 
-    Example:
+    Examples:
         >>> callback = ActivationStatsCallback(path="runs/core_stats.pt")
         >>> callback.stats
         {}

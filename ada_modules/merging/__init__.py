@@ -6,7 +6,7 @@ inputs (:func:`collect_activation_stats`), and :func:`fisher_merge` a diagonal F
 (:func:`collect_fisher`). All take and return ``Mapping[str, Tensor]`` state dicts and never modify
 their inputs.
 
-Example:
+Examples:
     >>> import torch
     >>> from ada_modules.merging import task_arithmetic
     >>> task_arithmetic({"w": torch.zeros(2)}, [{"w": torch.ones(2)}], weights=[0.5])["w"].tolist()

@@ -43,7 +43,7 @@ eigenproblem and the predicted deviations (which are then over-estimates of the 
 positive definite (too few samples, inputs that are always zero) is an error that says so. :func:`output_deviation` measures the realised relative deviation
 under any statistics, e.g. held-out core data.
 
-Example:
+Examples:
     >>> import torch
     >>> from ada_modules.merging.stats import ActivationStats
     >>> g = torch.Generator().manual_seed(0)
@@ -140,7 +140,7 @@ def generalized_eigh(
         InputError: Shapes that differ or are not square, non-finite entries, or a ``Σ_b`` that
             is not positive definite.
 
-    Example:
+    Examples:
         >>> import torch
         >>> gammas, u = generalized_eigh(torch.diag(torch.tensor([2.0, 6.0])), 2 * torch.eye(2))
         >>> gammas.round(decimals=6).tolist()
@@ -179,7 +179,7 @@ def select_directions(
     (the budget is then met exactly), then 0. This is optimal (a fractional knapsack in
     ``t = g² a``). Directions with zero cost carry no change and get gate 0.
 
-    Example:
+    Examples:
         >>> gates = select_directions(torch.tensor([4.0, 3.0, 2.0, 0.5]), torch.tensor([1.0, 1.0, 4.0, 1.0]), 3.0)
         >>> gates.tolist()
         [1.0, 1.0, 0.5, 0.0]

@@ -10,7 +10,7 @@ Fisher value in any member (buffers such as running means) also get the weighted
 and boolean tensors come from the first member. Diagonal Fishers come from
 :func:`~ada_modules.merging.collect_fisher`.
 
-Example:
+Examples:
     >>> import torch
     >>> a, b = {"w": torch.tensor([1.0, 1.0])}, {"w": torch.tensor([3.0, 3.0])}
     >>> fa, fb = {"w": torch.tensor([3.0, 0.0])}, {"w": torch.tensor([1.0, 0.0])}

@@ -14,7 +14,7 @@ With task vectors ``τ_i = θ_i − θ_0`` and weights ``w_i`` (default 1), per 
 Merges compute in float32 (float64 for float64 tensors) and return a new state dict with the base's
 dtypes; integer and boolean tensors are copied from the base. The inputs are not modified.
 
-Example:
+Examples:
     >>> import torch
     >>> base = {"w": torch.tensor([0.0, 0.0, 0.0])}
     >>> a, b = {"w": torch.tensor([1.0, -2.0, 0.5])}, {"w": torch.tensor([3.0, 1.0, -0.25])}

@@ -99,7 +99,7 @@ class MergeRecipe:
     ``parameters`` may also hold ``weight`` and ``density``, the defaults of every model's own
     ``parameters`` (as in mergekit).
 
-    Example:
+    Examples:
         >>> recipe = MergeRecipe.build(
         ...     "ties",
         ...     [{"model": "a.ckpt", "domain": "rot90", "parameters": {"weight": 0.5}}],
@@ -183,7 +183,7 @@ def merge(
     first key, as that key's method treats it (AMARIS: as a tensor without statistics), and the
     report lists them under ``tied``.
 
-    Example:
+    Examples:
         >>> base = {"w": torch.zeros(2)}
         >>> recipe = MergeRecipe.build("task_arithmetic", [{"model": "a", "domain": "d"}])
         >>> merged, report = merge(recipe, base, [{"w": torch.ones(2)}])

@@ -15,7 +15,7 @@ members; integer and boolean tensors come from the base.
 The base model may itself be a member (with statistics of its inputs on core data): the merge
 then also keeps the base's behaviour on that data, weighted by its sample count.
 
-Example:
+Examples:
     >>> import torch
     >>> from ada_modules.merging.stats import ActivationStats
     >>> x = torch.randn(32, 3, dtype=torch.float64)

@@ -6,7 +6,7 @@ A state dict is a ``Mapping[str, Tensor]``. A *linear layer* ``L`` is a 2-D ``L.
 ``(out, in + 1)`` with a bias, acting on the augmented input ``x~ = [x; 1]``. Only floating-point
 tensors are merged; integer and boolean tensors (counters, masks) are copied from the base.
 
-Example:
+Examples:
     >>> import torch
     >>> base = {"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2), "steps": torch.tensor(0)}
     >>> tuned = {**base, "fc.weight": torch.ones(2, 3)}
@@ -81,7 +81,7 @@ def check_compatible(
     Raises:
         InputError: Naming the first mismatching model and key.
 
-    Example:
+    Examples:
         >>> import torch
         >>> base = {"features.1.weight": torch.zeros(64, 64)}
         >>> other = {"features.1.weight": torch.zeros(64, 65)}
@@ -216,7 +216,7 @@ def tied_keys(state_dict: StateDict) -> dict[str, str]:
     """Keys whose tensor is the same tensor as an earlier key's (tied weights, e.g. a language
     model's ``lm_head.weight`` and ``model.embed_tokens.weight``): ``{later: first}``.
 
-    Example:
+    Examples:
         >>> shared = torch.zeros(3, 2)
         >>> tied_keys({"embed.weight": shared, "head.weight": shared, "b": torch.zeros(3)})
         {'head.weight': 'embed.weight'}

@@ -5,7 +5,7 @@ For a linear layer with input ``x`` the statistics are the uncentered second mom
 ``x~ = [x; 1]`` (the constant 1 only when the layer has a bias), summed over every input row in
 float64, with the number of rows: ``E[x~ x~ᵀ] = sum / count``. Sums of two collections pool.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2, bias=False))
@@ -54,7 +54,7 @@ class ActivationStats:
         count: The number of rows.
         has_bias: Whether the last coordinate is the constant 1 of the bias.
 
-    Example:
+    Examples:
         >>> import torch
         >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
         >>> a = ActivationStats(x.T @ x, 2, has_bias=False)
@@ -150,7 +150,7 @@ class ActivationCollector:
         model: The module whose linear layers are hooked (names are relative to it).
         layers: Names of ``nn.Linear`` submodules; ``None``: all of them.
 
-    Example:
+    Examples:
         >>> import torch
         >>> collector = ActivationCollector(torch.nn.Linear(2, 1))
         >>> collector.start_batch(torch.ones(3, 2), 0)
@@ -314,7 +314,7 @@ def check_stats(
     """Check that each layer's covariance is usable: finite, symmetric, positive semi-definite,
     and (with ``count``) from at least ``dim`` samples unless ``ridge > 0`` regularises it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> x = torch.randn(40, 65, dtype=torch.float64)
         >>> check_stats({"x": ActivationStats(x.T @ x, 40, True)})
@@ -458,7 +458,7 @@ def collect_fisher(
             per-example log-likelihoods ``log p(y_n | x_n)``.
         max_batches: Stop after this many batches.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = torch.nn.Linear(1, 1, bias=False)
         >>> with torch.no_grad():
