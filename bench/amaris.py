@@ -30,6 +30,7 @@ Reports only; no assertion.
 """
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -263,7 +264,7 @@ def budget_study(sweep: Path) -> list[dict]:
                     merged_sd, report = amaris(
                         base_sd, [tuned.state_dict()], [stats], core_train, budget, ridge=ridge
                     )
-                    merged = _load(fits / "base" / f"seed_{seed}" / "checkpoints" / "last.ckpt")
+                    merged = copy.deepcopy(base)
                     merged.load_state_dict(merged_sd)
                     calibration = output_deviation(base_sd, merged_sd, core_train)
                     held_out = output_deviation(base_sd, merged_sd, core_test)
