@@ -602,9 +602,11 @@ if triton_available():
 
     @triton.jit
     def _load_bits(x_ptr, offs, mask, IS_BF16: tl.constexpr):
+        # One return of one dtype (int32): Triton's compiler rejects returns of different dtypes.
+        u = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32)
         if IS_BF16:
-            return tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        return tl.load(x_ptr + offs, mask=mask, other=0)
+            u = u & 0xFFFF
+        return u
 
     @triton.jit
     def _exponent_count_kernel(
