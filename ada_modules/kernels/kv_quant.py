@@ -466,6 +466,47 @@ if triton_available():
         tl.store(out_row_ptrs[:, None] + WORD_OFFSET + j[None, :], words, mask=mask)
 
     @triton.jit
+    def _unpack_plane(
+        row_ptrs,
+        tok_mask,
+        W: tl.constexpr,
+        WORD_OFFSET: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # The W-bit plane's codes [BLOCK_T, BLOCK_D] (int32), each word read once (contiguously)
+        # and split by shifts; the inverse of _pack_plane_store.
+        PER: tl.constexpr = 32 // W
+        N_WORDS: tl.constexpr = (HEAD_DIM + PER - 1) // PER
+        j = tl.arange(0, BLOCK_D // PER)
+        words = tl.load(
+            row_ptrs[:, None] + WORD_OFFSET + j[None, :],
+            mask=tok_mask[:, None] & (j < N_WORDS)[None, :],
+            other=0,
+        )
+        shifts = tl.arange(0, PER) * W
+        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << W) - 1)
+        return tl.reshape(codes, (row_ptrs.shape[0], BLOCK_D))
+
+    @triton.jit
+    def _unpack_rows(
+        row_ptrs,
+        tok_mask,
+        BITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # All channels [0, BLOCK_D) of each token: row_ptrs [BLOCK_T] point to each token's words,
+        # tok_mask [BLOCK_T] marks the valid ones. Returns the codes [BLOCK_T, BLOCK_D] as int32.
+        if BITS == 3:
+            N0: tl.constexpr = (HEAD_DIM + 15) // 16
+            c = _unpack_plane(row_ptrs, tok_mask, 2, 0, HEAD_DIM, BLOCK_D)
+            c = c | (_unpack_plane(row_ptrs, tok_mask, 1, N0, HEAD_DIM, BLOCK_D) << 2)
+        else:
+            c = _unpack_plane(row_ptrs, tok_mask, BITS, 0, HEAD_DIM, BLOCK_D)
+        return c
+
+    @triton.jit
     def _unpack_tile(
         row_ptrs,
         d,
@@ -473,8 +514,8 @@ if triton_available():
         BITS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
     ):
-        # row_ptrs: [BLOCK_T] pointers to each token's words; d: [BLOCK_D] channels.
-        # Returns the codes [BLOCK_T, BLOCK_D] as int32.
+        # Any channels d [BLOCK_D] of each token (one load per code; ADKV's per-channel tiles):
+        # row_ptrs [BLOCK_T] point to each token's words. Returns the codes [BLOCK_T, BLOCK_D].
         if BITS == 3:
             w0 = tl.load(row_ptrs[:, None] + (d // 16)[None, :], mask=mask, other=0)
             c = (w0 >> ((d % 16) * 2)[None, :]) & 3
@@ -564,30 +605,47 @@ if triton_available():
         scale_ptr,
         zero_ptr,
         row,
-        t,
-        d,
+        t0,
         n_tokens,
         IS_KEY: tl.constexpr,
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         N_WORDS: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
-        # Dequantized tile [BLOCK_T, BLOCK_D] (fp32) of row `row`, tokens `t`, channels `d`.
-        mask = (t < n_tokens)[:, None] & (d < HEAD_DIM)[None, :]
-        c = _unpack_tile(
-            codes_ptr + row * n_tokens * N_WORDS + t * N_WORDS, d, mask, BITS, HEAD_DIM
+        # Dequantized tile [BLOCK_T, BLOCK_D] (fp32) of row `row`, tokens t0 + [0, BLOCK_T) with
+        # t0 a multiple of BLOCK_T: each scale and zero point is read once and broadcast.
+        t = t0 + tl.arange(0, BLOCK_T)
+        d = tl.arange(0, BLOCK_D)
+        tok_mask = t < n_tokens
+        c = _unpack_rows(
+            codes_ptr + row * n_tokens * N_WORDS + t * N_WORDS, tok_mask, BITS, HEAD_DIM, BLOCK_D
         )
+        c = c.to(tl.float32)
         if IS_KEY:
-            off = (
-                row * (n_tokens // GROUP) * HEAD_DIM + (t // GROUP)[:, None] * HEAD_DIM + d[None, :]
-            )
+            # Groups of GROUP tokens: NG of them in the tile (1 when the tile lies in one group).
+            NG: tl.constexpr = (BLOCK_T + GROUP - 1) // GROUP
+            g = t0 // GROUP + tl.arange(0, NG)
+            off = row * (n_tokens // GROUP) * HEAD_DIM + g[:, None] * HEAD_DIM + d[None, :]
+            meta_mask = (g < n_tokens // GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+            s = tl.load(scale_ptr + off, mask=meta_mask, other=0.0).to(tl.float32)
+            z = tl.load(zero_ptr + off, mask=meta_mask, other=0.0).to(tl.float32)
+            c3 = tl.reshape(c, (NG, BLOCK_T // NG, BLOCK_D))
+            x = tl.reshape(c3 * s[:, None, :] + z[:, None, :], (BLOCK_T, BLOCK_D))
         else:
+            # Groups of GROUP channels of each token.
             N_GROUPS: tl.constexpr = HEAD_DIM // GROUP
-            off = row * n_tokens * N_GROUPS + t[:, None] * N_GROUPS + (d // GROUP)[None, :]
-        s = tl.load(scale_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(zero_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        return c.to(tl.float32) * s + z
+            NG: tl.constexpr = BLOCK_D // GROUP
+            g = tl.arange(0, NG)
+            off = row * n_tokens * N_GROUPS + t[:, None] * N_GROUPS + g[None, :]
+            meta_mask = tok_mask[:, None] & (g < N_GROUPS)[None, :]
+            s = tl.load(scale_ptr + off, mask=meta_mask, other=0.0).to(tl.float32)
+            z = tl.load(zero_ptr + off, mask=meta_mask, other=0.0).to(tl.float32)
+            c3 = tl.reshape(c, (BLOCK_T, NG, GROUP))
+            x = tl.reshape(c3 * s[:, :, None] + z[:, :, None], (BLOCK_T, BLOCK_D))
+        return x
 
     @triton.jit
     def _dequantize_kernel(
@@ -605,21 +663,23 @@ if triton_available():
         BLOCK_D: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t0 = tl.program_id(1) * BLOCK_T
+        t = t0 + tl.arange(0, BLOCK_T)
         d = tl.arange(0, BLOCK_D)
         x = _dequant_tile(
             codes_ptr,
             scale_ptr,
             zero_ptr,
             row,
-            t,
-            d,
+            t0,
             n_tokens,
             IS_KEY,
             BITS,
             GROUP,
             HEAD_DIM,
             N_WORDS,
+            BLOCK_T,
+            BLOCK_D,
         )
         mask = (t < n_tokens)[:, None] & (d < HEAD_DIM)[None, :]
         out = out_ptr + row * n_tokens * HEAD_DIM + t[:, None] * HEAD_DIM + d[None, :]
@@ -631,17 +691,20 @@ if triton_available():
         scale_ptr,
         zero_ptr,
         row,
-        t,
-        d,
+        t0,
         n_tokens,
         IS_KEY: tl.constexpr,
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         N_WORDS: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         # BITS == 0: full precision, codes_ptr points to a contiguous (rows, n_tokens, HEAD_DIM).
         if BITS == 0:
+            t = t0 + tl.arange(0, BLOCK_T)
+            d = tl.arange(0, BLOCK_D)
             mask = (t < n_tokens)[:, None] & (d < HEAD_DIM)[None, :]
             ptrs = codes_ptr + row * n_tokens * HEAD_DIM + t[:, None] * HEAD_DIM + d[None, :]
             x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -651,14 +714,15 @@ if triton_available():
                 scale_ptr,
                 zero_ptr,
                 row,
-                t,
-                d,
+                t0,
                 n_tokens,
                 IS_KEY,
                 BITS,
                 GROUP,
                 HEAD_DIM,
                 N_WORDS,
+                BLOCK_T,
+                BLOCK_D,
             )
         return x
 
@@ -729,28 +793,30 @@ if triton_available():
                 k_scale_ptr,
                 k_zero_ptr,
                 row,
-                t,
-                d,
+                t0,
                 n_tokens,
                 True,
                 KEY_BITS,
                 KEY_GROUP,
                 HEAD_DIM,
                 KEY_WORDS,
+                BLOCK_T,
+                BLOCK_D,
             )
             v = _load_kv_tile(
                 v_codes_ptr,
                 v_scale_ptr,
                 v_zero_ptr,
                 row,
-                t,
-                d,
+                t0,
                 n_tokens,
                 False,
                 VALUE_BITS,
                 VALUE_GROUP,
                 HEAD_DIM,
                 VALUE_WORDS,
+                BLOCK_T,
+                BLOCK_D,
             )
             s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_H, BLOCK_T]
             s = tl.where(valid[None, :], s, -1.0e30)
