@@ -3,6 +3,7 @@
 The scripts run as ``python bench/gpu/<slug>.py``, so this folder is on ``sys.path``.
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -60,14 +61,29 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_sections(sections: list[tuple[str, Callable[[], None], float]], guard: Guard) -> list[str]:
-    """Run each ``(name, section, need_s)`` that the guard leaves time for.
+def add_only_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--only a,b``: run just these sections (e.g. one skipped by the time guard before)."""
+    parser.add_argument(
+        "--only", default=None, help="comma-separated sections to run (default all)"
+    )
+
+
+def run_sections(
+    sections: list[tuple[str, Callable[[], None], float]], guard: Guard, only: str | None = None
+) -> list[str]:
+    """Run each ``(name, section, need_s)`` that the guard leaves time for (of ``only``, if given).
 
     A section that raises is reported and the others still run; the errors are returned (the
     script exits non-zero on them). Prints what the guard skipped.
     """
+    names = [name for name, _, _ in sections]
+    wanted = set(names) if only is None else {name.strip() for name in only.split(",")}
+    if wanted - set(names):
+        raise SystemExit(f"--only: unknown sections {sorted(wanted - set(names))}; known: {names}")
     errors: list[str] = []
     for name, section, need_s in sections:
+        if name not in wanted:
+            continue
         if not guard.ok(f"section {name}", need_s):
             continue
         try:

@@ -60,7 +60,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import Guard, bench_device, run_sections, sync, write_json  # bench/gpu/_common.py
+from _common import (  # bench/gpu/_common.py
+    Guard,
+    add_only_argument,
+    bench_device,
+    run_sections,
+    sync,
+    write_json,
+)
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -473,6 +480,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--budget-s", type=float, default=420.0, help="global time guard in seconds (default 420)"
     )
+    add_only_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -498,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         ("newton_schulz", lambda: run_newton_schulz(sizes, device, args.quick, guard, results), 20),
         ("step", lambda: run_steps(sizes, device, args.quick, guard, results), 40),
     ]
-    errors = run_sections(sections, guard)
+    errors = run_sections(sections, guard, args.only)
     elapsed = guard.elapsed()
     failed_checks = [r["check"] for r in results if r["section"] == "check" and not r["ok"]]
     if failed_checks:

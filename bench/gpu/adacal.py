@@ -52,8 +52,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import (  # bench/gpu/_common.py
+from _common import (
     Guard,
+    add_only_argument,  # bench/gpu/_common.py
     bench_device,
     median_ms,
     run_sections,
@@ -588,6 +589,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes for a smoke test")
     parser.add_argument("--budget-s", type=float, default=420.0, help="overall time budget")
+    add_only_argument(parser)
     parser.add_argument("--out", default=None, help="folder of adacal.json (default: $OUT)")
     return parser.parse_args(argv)
 
@@ -629,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references in fp32
     with torch.no_grad():
-        errors = run_sections(sections, guard)
+        errors = run_sections(sections, guard, args.only)
     elapsed = guard.elapsed()
     failed = [r["check"] for r in results if r["section"] == "check" and not r["ok"]]
     if failed:

@@ -54,8 +54,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import (  # bench/gpu/_common.py
+from _common import (
     Guard,
+    add_only_argument,  # bench/gpu/_common.py
     bench_device,
     median_ms,
     run_sections,
@@ -402,6 +403,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes for a smoke test")
     parser.add_argument("--budget-s", type=float, default=450.0, help="overall time budget")
+    add_only_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -424,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         ("decode", lambda: run_decode(sizes, device, guard, results), 30),
         ("generate", lambda: run_generate(sizes, device, guard, results), 90),
     ]
-    errors = run_sections(sections, guard)
+    errors = run_sections(sections, guard, args.only)
     elapsed = guard.elapsed()
     failed = [r["check"] for r in results if r["section"] == "check" and not r["ok"]]
     if failed:

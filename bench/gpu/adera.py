@@ -55,8 +55,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import (  # bench/gpu/_common.py
+from _common import (
     Guard,
+    add_only_argument,  # bench/gpu/_common.py
     bench_device,
     median_ms,
     run_sections,
@@ -606,6 +607,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes for a smoke test")
     parser.add_argument("--budget-s", type=float, default=420.0, help="overall time budget")
+    add_only_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -630,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         ("interference", lambda: run_interference(sizes, device, impl, guard, results), 30),
         ("one-rank", lambda: run_distributed(sizes, device, impl, guard, results), 20),
     ]
-    errors = run_sections(sections, guard)
+    errors = run_sections(sections, guard, args.only)
     elapsed = guard.elapsed()
     failed = [r.get("check", r["section"]) for r in results if r.get("ok") is False]
     if failed:

@@ -53,7 +53,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import Guard, bench_device, median_ms, run_sections, write_json  # bench/gpu/_common.py
+from _common import (  # bench/gpu/_common.py
+    Guard,
+    add_only_argument,
+    bench_device,
+    median_ms,
+    run_sections,
+    write_json,
+)
 
 from ada_modules.kernels.adkv_decode import (
     ADKVTensor,
@@ -420,6 +427,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes for a smoke test")
     parser.add_argument("--budget-s", type=float, default=420.0, help="overall time budget")
+    add_only_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -442,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         ("decode", lambda: run_decode(sizes, device, guard, results), 30),
     ]
     with torch.no_grad():
-        errors = run_sections(sections, guard)
+        errors = run_sections(sections, guard, args.only)
     elapsed = guard.elapsed()
     failed = [r["check"] for r in results if r["section"] == "check" and not r["ok"]]
     if failed:

@@ -35,7 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import Guard, bench_device, median_ms, run_sections, sync, write_json
+from _common import (
+    Guard,
+    add_only_argument,
+    bench_device,
+    median_ms,
+    run_sections,
+    sync,
+    write_json,
+)
 from torch import nn
 
 from ada_modules.merging import (
@@ -204,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="time guard in seconds")
+    add_only_argument(parser)
     parser.add_argument("--out", default=None, help="folder for amaris.json (default: $OUT)")
     args = parser.parse_args(argv)
     if args.out:
@@ -223,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         ("merge", lambda: run_merge(sizes, device, guard, results), 30),
     ]
     torch.backends.cuda.matmul.allow_tf32 = False
-    errors = run_sections(sections, guard)
+    errors = run_sections(sections, guard, args.only)
     failed = [r["check"] for r in results if r["section"] == "check" and not r["ok"]]
     if failed:
         print(f"\nchecks outside their tolerance: {', '.join(failed)}")
