@@ -27,6 +27,7 @@ from ada_modules.data.planted_attention import (
     planted_attention,
 )
 from ada_modules.data.recall import RecallDataModule
+from ada_modules.data.reliability_items import ReliabilityItems, ReliabilityItemsDataModule
 from ada_modules.data.rope_drift import (
     RopeDriftDataModule,
     RopeDriftSample,
@@ -53,6 +54,8 @@ __all__ = [
     "PlantedAttention",
     "PlantedAttentionDataModule",
     "RecallDataModule",
+    "ReliabilityItems",
+    "ReliabilityItemsDataModule",
     "RopeDriftDataModule",
     "RopeDriftSample",
     "SequenceCollator",

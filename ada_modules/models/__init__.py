@@ -10,6 +10,7 @@ from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.models.merge import MergeModule
 from ada_modules.models.moe import MoELMModule
 from ada_modules.models.on_policy import OnPolicyModule
+from ada_modules.models.reliability_study import ReliabilityStudyModule
 from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "MergeModule",
     "OnPolicyModule",
     "MoELMModule",
+    "ReliabilityStudyModule",
     "SparsePrefillStudyModule",
 ]
