@@ -11,7 +11,9 @@ entry, see docs/contributing.md):
   the sparse path: blocks of 16, no minimum length).
 
 Merging (AMARIS) is not a factor of a training run: it acts on checkpoints afterwards. Its test
-below merges a specialist of each wrapper into its base and generates through every cache.
+below merges a specialist of each wrapper into its base and generates through every cache. The
+reliability layer's operators sample a trained model; their test below runs them on a model of
+each wrapper through every cache.
 
 :func:`pairwise_rows` picks rows of the product that together hold every pair of values of
 two factors (greedy all-pairs); each row fits a tiny Llama ``CausalLMModule`` on one fixed recall
@@ -46,6 +48,12 @@ from ada_modules.merging import amaris, collect_activation_stats, output_deviati
 from ada_modules.models import CausalLMModule
 from ada_modules.nn import ConnectivityWrapper
 from ada_modules.optim import AcceleGradSharp, Muon, Scion
+from ada_modules.reliability import (
+    CausalLMChannel,
+    DiversityCombining,
+    HybridRetransmission,
+    SimulatedVerifier,
+)
 from ada_modules.strategies import AdERAStrategy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -396,3 +404,45 @@ def test_amaris_merges_a_specialist_of_each_wrapper_and_generates_through_every_
                           enable_model_summary=False)  # fmt: skip
         metrics = trainer.test(module, datamodule=tasks["specialist"], verbose=False)[0]
         assert math.isfinite(metrics["test/loss"]) and metrics["test/gen_length"] >= 1, name
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_reliability_operators_sample_a_model_of_each_wrapper_through_every_cache(wrapper):
+    """The reliability layer is not a factor of a training run either: it samples a trained
+    model. Its operators run on a CausalLMChannel over a model of each wrapper, generating through
+    every cache; an explicit DynamicCache replays the default cache's samples exactly, and every
+    operator pays exactly the tokens its samples generated."""
+    seed_everything(0)
+    module = CausalLMModule(
+        hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
+        max_position_embeddings=128, max_new_tokens=4,
+        model_wrapper=WRAPPERS[wrapper]() if WRAPPERS[wrapper] else None,
+        optimizer=partial(torch.optim.AdamW, lr=3e-3),
+    )  # fmt: skip
+    data = RecallDataModule(num_pairs=4, max_hops=1, key_length=1, num_train=BATCH,
+                            num_val=BATCH, num_test=BATCH, batch_size=BATCH, seed=0)  # fmt: skip
+    Trainer(
+        accelerator="cpu", max_steps=STEPS, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(module, datamodule=data)  # fmt: skip
+    data.setup("test")
+    examples = data.datasets["test"][:3]
+    prompts = [module.tokenizer.decode(example["prompt_ids"]) for example in examples]
+    answers = [example["answer"] for example in examples]
+
+    def run(cache_factory):
+        channel = CausalLMChannel(module.model, module.tokenizer, prompts, max_new_tokens=4,
+                                  cache_factory=cache_factory)  # fmt: skip
+        g = torch.Generator().manual_seed(0)
+        vote = DiversityCombining(3)
+        harq = HybridRetransmission(max_rounds=2, verifier=SimulatedVerifier(1.0, 0.0))
+        return [
+            op(channel, i, truth=answers[i], generator=g) for i in range(3) for op in (vote, harq)
+        ]
+
+    default = run(None)
+    assert run(DynamicCache) == default
+    for name, make_cache in CACHES.items():
+        outcomes = run(make_cache)
+        assert all(isinstance(o.answer, str) and o.samples <= o.cost <= 4 * o.samples
+                   for o in outcomes), name  # fmt: skip

@@ -27,7 +27,11 @@ from ada_modules.data.planted_attention import (
     planted_attention,
 )
 from ada_modules.data.recall import RecallDataModule
-from ada_modules.data.reliability_items import ReliabilityItems, ReliabilityItemsDataModule
+from ada_modules.data.reliability_items import (
+    ReliabilityItems,
+    ReliabilityItemsDataModule,
+    TaskItemsDataModule,
+)
 from ada_modules.data.rope_drift import (
     RopeDriftDataModule,
     RopeDriftSample,
@@ -63,6 +67,7 @@ __all__ = [
     "SequenceTaskDataModule",
     "SplitDataModule",
     "TaskDomainsDataModule",
+    "TaskItemsDataModule",
     "addition_scratchpad",
     "apply_rope",
     "capture_attention",

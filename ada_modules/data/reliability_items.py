@@ -22,15 +22,17 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from ada_modules.data.sequence_task import SequenceTaskDataModule
 from ada_modules.data.split_datamodule import SplitDataModule
 from ada_modules.errors import InputError
 
-__all__ = ["ReliabilityItems", "ReliabilityItemsDataModule"]
+__all__ = ["ReliabilityItems", "ReliabilityItemsDataModule", "TaskItemsDataModule"]
 
 
 class ReliabilityItems(Dataset):
     """Items ``start .. start + len - 1`` as dicts: ``item``, ``topic``, ``bucket``, ``hardness``,
-    ``text`` (see the module docs)."""
+    ``text`` (see the module docs); ``answers`` (the reference answer of each item, for a real
+    model's channel) is an attribute, not in the batches."""
 
     def __init__(
         self,
@@ -39,9 +41,11 @@ class ReliabilityItems(Dataset):
         hardness: Sequence[float],
         texts: Sequence[str],
         start: int = 0,
+        answers: Sequence[str] | None = None,
     ) -> None:
         self.topics, self.buckets, self.hardness, self.texts = topics, buckets, hardness, texts
         self.start = start
+        self.answers = answers
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -156,3 +160,68 @@ class ReliabilityItemsDataModule(SplitDataModule):
             texts.append(" ".join(words))
         buckets = [topic % self.num_buckets for topic in topics]
         return ReliabilityItems(topics, buckets, hardness, texts, start=start)
+
+
+class TaskItemsDataModule(SplitDataModule):
+    """A sequence task's prompts as reliability items, for a real model's channel.
+
+    The labelled (``train``) items are the task's validation examples, the held-out (``test``)
+    ones its test examples (the task keeps the two apart). An item's text is its prompt, its
+    answer the task's reference answer, its bucket ``metadata[bucket_key]`` minus the smallest
+    value of the key over both splits (e.g. the operand digits of
+    :class:`~ada_modules.data.ArithmeticDataModule`), its hardness 0 and its topic its bucket.
+
+    Args:
+        task: The sequence task (its ``num_val`` and ``num_test`` set the split sizes).
+        bucket_key: The example metadata that sets the difficulty bucket.
+        batch_size: Batch size of the loaders.
+        num_workers: Worker processes per loader.
+
+    Raises:
+        InputError: If the task's examples have no ``bucket_key`` metadata.
+
+    Examples:
+        >>> from ada_modules.data import ArithmeticDataModule
+        >>> task = ArithmeticDataModule(min_digits=1, max_digits=2, num_val=4, num_test=3, seed=0)
+        >>> dm = TaskItemsDataModule(task)
+        >>> dm.setup("test")
+        >>> test = dm.datasets["test"]
+        >>> len(dm.datasets["train"]), test.start, test.texts[0].endswith("="), test.answers[0].isdigit()
+        (4, 4, True, True)
+    """
+
+    def __init__(
+        self,
+        task: SequenceTaskDataModule,
+        bucket_key: str = "digits",
+        batch_size: int = 64,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(seed=task.seed, batch_size=batch_size, num_workers=num_workers)
+        self.task = task
+        self.bucket_key = bucket_key
+
+    def setup(self, stage: str | None = None) -> None:
+        """Draw the task's validation and test examples (both splits serve every stage)."""
+        self.task.setup("validate")
+        splits = {"train": self.task.datasets["val"], "test": self.task.datasets["test"]}
+        try:
+            values = {n: [e["metadata"][self.bucket_key] for e in ex] for n, ex in splits.items()}
+        except KeyError as error:
+            raise InputError(
+                f"bucket_key {self.bucket_key!r} is not in the task's example metadata"
+            ) from error
+        low = min(min(v) for v in values.values())
+        self.datasets = {}
+        start = 0
+        for name, examples in splits.items():
+            buckets = [value - low for value in values[name]]
+            self.datasets[name] = ReliabilityItems(
+                topics=buckets,
+                buckets=buckets,
+                hardness=[0.0] * len(examples),
+                texts=[self.task.tokenizer.decode(e["prompt_ids"]) for e in examples],
+                start=start,
+                answers=[e["answer"] for e in examples],
+            )
+            start += len(examples)

@@ -58,7 +58,7 @@ Examples:
 import json
 import math
 import os
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,14 @@ import torch
 from lightning.pytorch import LightningModule
 
 from ada_modules.errors import InputError
-from ada_modules.reliability.channel import SimulatedChannel, SimulatedCritic, SimulatedVerifier
+from ada_modules.models.causal_lm import CausalLMModule
+from ada_modules.reliability.channel import (
+    Channel,
+    SimulatedChannel,
+    SimulatedCritic,
+    SimulatedVerifier,
+)
+from ada_modules.reliability.lm_channel import CausalLMChannel
 from ada_modules.reliability.operators import (
     DiversityCombining,
     GeneratorCritic,
@@ -90,6 +97,7 @@ OPERATORS = ("single", "majority", "best_of_n", "harq", "critic", "rateless", "v
 """The ``operator`` names an option may use (see :meth:`ReliabilityStudyModule.build_operator`)."""
 
 _CHANNEL_KEYS = {"accuracy", "cost", "correlation", "num_distractors", "zipf_exponent", "critic"}
+_LM_CHANNEL_KEYS = {"checkpoint", "temperature", "max_new_tokens", "cost_per_token"}
 _DEFAULT_LAMBDAS = (
     0.0,
     1e-4,
@@ -123,7 +131,11 @@ class ReliabilityStudyModule(LightningModule):
         channels: Channel name -> ``{"accuracy": [one per bucket], "cost": per sample,
             "correlation": rho (0), "num_distractors": (4), "zipf_exponent": (1.0), "critic":
             {"keep": [per bucket], "fix": [per bucket]}}`` (the critic only for ``critic``
-            options; a critique costs one sample of its channel).
+            options; a critique costs one sample of its channel). Or a real model:
+            ``{"checkpoint": a CausalLMModule checkpoint, "temperature": (1.0),
+            "max_new_tokens": (the module's), "cost_per_token": (1.0)}``, sampled on the items'
+            texts as prompts (:class:`~ada_modules.reliability.lm_channel.CausalLMChannel`) and
+            judged against their answers (:class:`~ada_modules.data.TaskItemsDataModule`).
         options: Each ``{"name": ..., "channel": ..., "operator": one of OPERATORS, ...}`` with
             the operator's budget arguments (e.g. ``"num_samples": 5``), see
             :meth:`build_operator`.
@@ -160,13 +172,14 @@ class ReliabilityStudyModule(LightningModule):
         if not isinstance(channels, Mapping) or not channels:
             raise InputError(f"channels must be a non-empty mapping of specs, got {channels!r}")
         for name, spec in channels.items():
-            unknown = set(spec) - _CHANNEL_KEYS
-            if unknown or "accuracy" not in spec:
+            keys = _LM_CHANNEL_KEYS if "checkpoint" in spec else _CHANNEL_KEYS
+            if set(spec) - keys or not {"accuracy", "checkpoint"} & set(spec):
                 raise InputError(
-                    f"channels[{name!r}] needs 'accuracy' and takes {sorted(_CHANNEL_KEYS)}, "
-                    f"got {sorted(spec)}"
+                    f"channels[{name!r}] needs 'accuracy' (simulated, taking "
+                    f"{sorted(_CHANNEL_KEYS)}) or 'checkpoint' (a CausalLMModule, taking "
+                    f"{sorted(_LM_CHANNEL_KEYS)}), got {sorted(spec)}"
                 )
-            cost = spec.get("cost", 1.0)
+            cost = spec.get("cost", spec.get("cost_per_token", 1.0))
             if not isinstance(cost, int | float) or not math.isfinite(cost) or cost < 0:
                 raise InputError(f"channels[{name!r}].cost must be a number >= 0, got {cost!r}")
         if isinstance(options, str | bytes) or not options:
@@ -225,12 +238,40 @@ class ReliabilityStudyModule(LightningModule):
             raise InputError(f"{name} values must be in [0, 1], got {per_bucket!r}")
         return values[self._buckets]
 
-    def build_channels(self, buckets: torch.Tensor, hardness: torch.Tensor) -> None:
-        """Make every channel (and its critic) over the items with these buckets and hardness."""
+    def build_channels(
+        self,
+        buckets: torch.Tensor,
+        hardness: torch.Tensor,
+        texts: Sequence[str] = (),
+        answers: Sequence[Hashable] | None = None,
+        extract_answer: Callable[[str], Hashable] | None = None,
+    ) -> None:
+        """Make every channel (and its critic) over the items with these buckets and hardness;
+        a ``checkpoint`` channel samples a :class:`~ada_modules.models.CausalLMModule` on the
+        ``texts`` (prompts) and is judged against ``answers``."""
         self._buckets, self._num_buckets = buckets, int(buckets.max()) + 1
-        self.channels: dict[str, SimulatedChannel] = {}
+        self.channels: dict[str, Channel] = {}
         self.critics: dict[str, SimulatedCritic] = {}
+        self._answers = answers
         for name, spec in self.channel_specs.items():
+            if "checkpoint" in spec:
+                if answers is None:
+                    raise InputError(
+                        f"channels[{name!r}] samples a model, so the items need reference "
+                        "answers (use TaskItemsDataModule)"
+                    )
+                lm = CausalLMModule.load_from_checkpoint(spec["checkpoint"], map_location="cpu")
+                self.channels[name] = CausalLMChannel(
+                    lm.model.to(self.device),
+                    lm.tokenizer,
+                    texts,
+                    extract_answer=extract_answer,
+                    temperature=spec.get("temperature", 1.0),
+                    max_new_tokens=spec.get("max_new_tokens", lm.max_new_tokens),
+                    cost_per_token=spec.get("cost_per_token", 1.0),
+                    name=name,
+                )
+                continue
             base = self._per_item(spec["accuracy"], f"channels[{name!r}].accuracy")
             accuracy = torch.sigmoid(_logit(base) - self.hardness_scale * hardness.double())
             kwargs = {key: spec[key] for key in ("num_distractors", "zipf_exponent") if key in spec}
@@ -287,7 +328,10 @@ class ReliabilityStudyModule(LightningModule):
             channel = self.channels[option["channel"]]
             operator = self._operators[t]
             for row, item in enumerate(items):
-                truth: Hashable = channel.truth(item)
+                if isinstance(channel, CausalLMChannel):
+                    truth: Hashable = self._answers[item]
+                else:
+                    truth = channel.truth(item)
                 outcome = operator(channel, item, truth=truth, generator=generator)
                 quality[row, t] = float(outcome.is_correct(truth))
                 cost[row, t] = outcome.cost
@@ -302,7 +346,17 @@ class ReliabilityStudyModule(LightningModule):
         splits = [datasets["train"], datasets["test"]]
         buckets = torch.tensor([b for split in splits for b in split.buckets])
         hardness = torch.tensor([h for split in splits for h in split.hardness])
-        self.build_channels(buckets, hardness)
+        answers = None
+        if all(getattr(split, "answers", None) is not None for split in splits):
+            answers = [a for split in splits for a in split.answers]
+        task = getattr(self.trainer.datamodule, "task", None)
+        self.build_channels(
+            buckets,
+            hardness,
+            [text for split in splits for text in split.texts],
+            answers,
+            getattr(task, "extract_answer", None),
+        )
         self._operators = [self.build_operator(option) for option in self.option_specs]
         labelled = datasets["train"]
         generator = torch.Generator().manual_seed(self.seed)

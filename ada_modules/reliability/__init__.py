@@ -1,8 +1,10 @@
 """The reliability layer: LLM reliability techniques as channel-coding operators (issue 25).
 
-An LLM sampled at temperature ``T`` is a noisy channel (:mod:`~ada_modules.reliability.channel`);
-retry, voting, self-consistency, best-of-N, self-refine and adaptive stopping are operators over
-it (:mod:`~ada_modules.reliability.operators`), with closed forms for voting, averaging and
+An LLM sampled at temperature ``T`` is a noisy channel: simulated ones
+(:mod:`~ada_modules.reliability.channel`) and a Hugging Face model
+(:mod:`~ada_modules.reliability.lm_channel`). Retry, voting, self-consistency, best-of-N,
+self-refine and adaptive stopping are operators over a channel
+(:mod:`~ada_modules.reliability.operators`), with closed forms for voting, averaging and
 refinement (:mod:`~ada_modules.reliability.closed_forms`); a cost-aware kNN router picks an option
 per query (:mod:`~ada_modules.reliability.router`).
 
@@ -40,6 +42,7 @@ from ada_modules.reliability.closed_forms import (
     uniform_mse,
     weighted_mse,
 )
+from ada_modules.reliability.lm_channel import CausalLMChannel
 from ada_modules.reliability.operators import (
     DiversityCombining,
     GeneratorCritic,
@@ -61,6 +64,7 @@ from ada_modules.reliability.router import (
 )
 
 __all__ = [
+    "CausalLMChannel",
     "Channel",
     "Critic",
     "DiversityCombining",
