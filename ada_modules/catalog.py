@@ -98,7 +98,8 @@ TECHNIQUES: tuple[Technique, ...] = (
     _T("AIQL / A²IQL", "aiql", "Offline RL LightningModule",
        "Set-scoring implicit Q-learning with a conservative cross-domain adaptation step."),
     _T("Reliability layer", "reliability", "Inference-time operators + router",
-       "Retry, voting and critique as channel-coding operators, with a cost-aware router."),
+       "Retry, voting and critique as channel-coding operators, with a cost-aware router.",
+       status="implemented", issue=25),
     _T("aNCA", "anca", "nn.Module (NCA cell) + LightningModule",
        "Neural cellular automaton with deformable perception for grid reasoning tasks."),
 )  # fmt: skip

@@ -40,6 +40,13 @@ from ada_modules.models import ADKVCalibrationModule, CausalLMModule
 from ada_modules.nn import wrap_timm
 from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
 from ada_modules.optim.param_groups import check_param_coverage
+from ada_modules.reliability import (
+    DiversityCombining,
+    KNNRouter,
+    RatelessSampling,
+    SimulatedChannel,
+    plurality,
+)
 from ada_modules.strategies import AdERAStrategy, shard_module
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +54,7 @@ PAGE = REPO / "docs" / "bad-input.md"
 QUICKSTART = "cli_configs/quickstart.yaml"
 TINY = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.callbacks=[]"]
 AMARIS = "cli_configs/amaris/merge.yaml"
+RELIABILITY = "cli_configs/reliability/study.yaml"
 MERGED = "--model.output_dir={tmp}/merged"  # never runs/amaris/merged
 
 
@@ -451,6 +459,38 @@ CASES = [
             lambda tmp: amaris(
                 _fc(), [_fc()], [_stats(torch.eye(5))], _stats(torch.eye(5), count=2), ridge=0
             )
+        ),
+    ),
+    Case(
+        "reliability",
+        "`ada test -c cli_configs/reliability/study.yaml --model.k 0`",
+        _cli(["test", "-c", RELIABILITY, "--model.k=0"]),
+    ),
+    Case(
+        "reliability",
+        "`DiversityCombining(num_samples=0)` (a budget of zero samples)",
+        _raises(lambda tmp: DiversityCombining(num_samples=0)),
+    ),
+    Case(
+        "reliability",
+        "`SimulatedChannel([0.9, 0.4], cost=-1.0)`",
+        _raises(lambda tmp: SimulatedChannel([0.9, 0.4], cost=-1.0)),
+    ),
+    Case(
+        "reliability",
+        "`RatelessSampling(max_samples=9, confidence=float('nan'))`",
+        _raises(lambda tmp: RatelessSampling(max_samples=9, confidence=float("nan"))),
+    ),
+    Case(
+        "reliability",
+        "`plurality([1, '1', 1])` (answers of different types)",
+        _raises(lambda tmp: plurality([1, "1", 1])),
+    ),
+    Case(
+        "reliability",
+        "`KNNRouter(k=20).fit(...)` with 10 labelled queries",
+        _raises(
+            lambda tmp: KNNRouter(k=20).fit(torch.eye(10), torch.ones(10, 2), torch.ones(10, 2))
         ),
     ),
     # fmt: on
