@@ -90,6 +90,7 @@ METRICS = (
     "router_gain_over_single",
     "router_pareto_gain_min",
     "router_pareto_gain_mean",
+    "router_pareto_unreached",
     "bucket_oracle_cost_ratio",
     "bucket_winners",
     "best_fixed_quality",
@@ -406,6 +407,8 @@ def sweep_tables(sweep: Path, out: Path | None) -> dict:
             cell = _summary(finite, 2 if metric in ("bucket_winners", "best_fixed_cost") else 3)
             if metric.endswith("cost_ratio"):
                 cell += f" (matched in {len(finite)}/{len(values)} seeds)"
+            elif len(finite) < len(values):  # NaN in some seeds: say over how many
+                cell += f" ({len(finite)}/{len(values)} seeds defined)"
             cells.append(cell)
         print(f"| {metric} | " + " | ".join(cells) + " |")
 

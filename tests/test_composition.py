@@ -411,7 +411,8 @@ def test_reliability_operators_sample_a_model_of_each_wrapper_through_every_cach
     """The reliability layer is not a factor of a training run either: it samples a trained
     model. Its operators run on a CausalLMChannel over a model of each wrapper, generating through
     every cache; an explicit DynamicCache replays the default cache's samples exactly, and every
-    operator pays exactly the tokens its samples generated."""
+    operator pays between one and max_new_tokens tokens per sample it drew (the exact count is
+    tested in tests/reliability/test_lm_channel.py)."""
     seed_everything(0)
     module = CausalLMModule(
         hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,

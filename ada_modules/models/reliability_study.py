@@ -7,7 +7,9 @@ every item through every *option* (a channel with one of the reliability operato
 :mod:`ada_modules.reliability.operators` and its budget). The labelled (``train``) items' outcomes
 fit a :class:`~ada_modules.reliability.router.KNNRouter` on hashed character n-grams of the item
 texts; the held-out (``test``) items measure the fixed options and the router's frontier, one
-point per ``λ`` of ``lambdas``. It trains no network: the module has no parameters.
+point per ``λ`` of ``lambdas``. It trains no network: the module has no parameters. It runs in
+one process; one generator draws every outcome, option by option within a batch, so outcomes
+depend on the seed, the option list and the batch size.
 
 Item ``i`` of bucket ``b`` with hardness ``h_i`` has single-sample accuracy
 ``sigmoid(logit(accuracy[b]) - hardness_scale * h_i)`` on a channel, so items vary within a bucket
@@ -17,17 +19,20 @@ Logged at the end of the test epoch:
 
 - ``test/quality/<option>``, ``test/cost/<option>``: each fixed option's mean correctness and cost,
 - ``test/best_fixed_quality``, ``test/best_fixed_cost``: the *best fixed option*, the cheapest
-  one whose quality is within ``matched_quality_tolerance`` of the highest fixed quality (the
-  target quality),
+  one whose quality is within ``matched_quality_tolerance`` (at least one item) of the highest
+  fixed quality (the target quality),
 - ``test/router_cost_ratio``: the router's lowest cost at matched quality (at least the target)
-  over the best fixed option's cost (``nan`` when no ``λ`` reaches the target),
+  over the best fixed option's cost (``nan`` when no ``λ`` reaches the target). Like the fixed
+  options' points, the router's frontier is read on the held-out items: the ``λ`` that matches
+  is picked there (as when one plots a frontier), which favours the router a little,
 - ``test/router_quality_gain``: the router's highest quality at a cost no higher than the best
   fixed option's, minus that option's quality (matched cost),
 - ``test/router_gain_over_single``: the same against the best single-sample option,
 - ``test/router_pareto_gain_min``, ``test/router_pareto_gain_mean``: over the fixed options on
   the empirical Pareto front (no other fixed option is as good for less), the router's quality
   gain at each one's cost (a negative minimum: some fixed option lies above the router's
-  frontier),
+  frontier); ``test/router_pareto_unreached`` counts the Pareto options cheaper than every
+  point of the router's frontier (no gain defined there),
 - ``test/bucket_oracle_cost_ratio``: the cost ratio of routing by the true bucket (each bucket's
   best option by the labelled items' means): the premise, what per-item allocation can save when
   the difficulty is known,
@@ -117,6 +122,10 @@ _DEFAULT_LAMBDAS = (
 )
 
 
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _logit(p: torch.Tensor) -> torch.Tensor:
     p = p.clamp(1e-6, 1 - 1e-6)
     return torch.log(p) - torch.log1p(-p)
@@ -179,8 +188,10 @@ class ReliabilityStudyModule(LightningModule):
                     f"{sorted(_CHANNEL_KEYS)}) or 'checkpoint' (a CausalLMModule, taking "
                     f"{sorted(_LM_CHANNEL_KEYS)}), got {sorted(spec)}"
                 )
+            if "accuracy" in spec and "cost" not in spec:
+                raise InputError(f"channels[{name!r}] needs a 'cost' (per sample), got none")
             cost = spec.get("cost", spec.get("cost_per_token", 1.0))
-            if not isinstance(cost, int | float) or not math.isfinite(cost) or cost < 0:
+            if not _finite(cost) or cost < 0:
                 raise InputError(f"channels[{name!r}].cost must be a number >= 0, got {cost!r}")
         if isinstance(options, str | bytes) or not options:
             raise InputError(f"options must be a non-empty list of option specs, got {options!r}")
@@ -198,22 +209,25 @@ class ReliabilityStudyModule(LightningModule):
                     f"option {option['name']!r}: operator must be one of {OPERATORS}, "
                     f"got {option.get('operator')!r}"
                 )
-        if not isinstance(hardness_scale, int | float) or hardness_scale < 0:
+        if not _finite(hardness_scale) or hardness_scale < 0:
             raise InputError(f"hardness_scale must be a number >= 0, got {hardness_scale!r}")
-        if not 0 <= matched_quality_tolerance < 1:
+        if not _finite(matched_quality_tolerance) or not 0 <= matched_quality_tolerance < 1:
             raise InputError(
                 f"matched_quality_tolerance must be in [0, 1), got {matched_quality_tolerance!r}"
             )
         self.channel_specs = {name: dict(spec) for name, spec in channels.items()}
         self.option_specs = [dict(option) for option in options]
         self.option_names: list[str] = names
+        unknown = set(verifier or {}) - {"tpr", "fpr", "cost"}
+        if unknown:
+            raise InputError(f"verifier takes tpr, fpr and cost, got {sorted(verifier)}")
         verifier = {"tpr": 0.9, "fpr": 0.1, "cost": 0.5, **(verifier or {})}
         self.verifier = SimulatedVerifier(verifier["tpr"], verifier["fpr"], cost=verifier["cost"])
         self.hardness_scale = float(hardness_scale)
         self.router = KNNRouter(k)
         self.embedder = HashedNgramEmbedder(dim=embedding_dim)
         self.lambdas = list(_DEFAULT_LAMBDAS if lambdas is None else lambdas)
-        if any(not isinstance(lam, int | float) or lam < 0 for lam in self.lambdas):
+        if any(not _finite(lam) or lam < 0 for lam in self.lambdas):
             raise InputError(f"lambdas must be numbers >= 0, got {self.lambdas!r}")
         self.tolerance = float(matched_quality_tolerance)
         self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
@@ -230,7 +244,7 @@ class ReliabilityStudyModule(LightningModule):
 
     def _per_item(self, per_bucket: Sequence[float], name: str) -> torch.Tensor:
         values = torch.as_tensor(per_bucket, dtype=torch.float64)
-        if values.ndim != 1 or values.numel() < self._num_buckets:
+        if values.ndim != 1 or values.numel() != self._num_buckets:
             raise InputError(
                 f"{name} must give one value per bucket ({self._num_buckets}), got {per_bucket!r}"
             )
@@ -292,7 +306,7 @@ class ReliabilityStudyModule(LightningModule):
                 )
 
     def build_operator(self, option: Mapping[str, Any]) -> Operator:
-        """The operator of ``option``: ``single``; ``majority``/``weighted``/``best_of_n``
+        """The operator of ``option``: ``single``; ``majority``/``best_of_n``
         (``num_samples``); ``harq`` (``max_rounds``, ``samples_per_round``, ``mode``);
         ``critic`` (``rounds``); ``rateless`` (``max_samples``, ``confidence``,
         ``min_samples``); ``verify`` (``num_candidates``, ``num_verifiers``, ``min_pass``)."""
@@ -342,6 +356,10 @@ class ReliabilityStudyModule(LightningModule):
     # ------------------------------------------------------------------------------------------
 
     def on_test_start(self) -> None:
+        if self.trainer.world_size > 1:
+            raise InputError(
+                f"ReliabilityStudyModule runs in one process, got world_size={self.trainer.world_size}"
+            )
         datasets = self.trainer.datamodule.datasets
         splits = [datasets["train"], datasets["test"]]
         buckets = torch.tensor([b for split in splits for b in split.buckets])
@@ -396,7 +414,7 @@ class ReliabilityStudyModule(LightningModule):
             if not bool(rows.any()):
                 continue
             mean_q, mean_c = q[rows].mean(0), c[rows].mean(0)
-            near_best = mean_q >= mean_q.max() - self.tolerance
+            near_best = mean_q >= mean_q.max() - max(self.tolerance, 1.0 / int(rows.sum()))
             winners.append(
                 self.option_names[int(torch.where(near_best, mean_c, math.inf).argmin())]
             )
@@ -410,8 +428,10 @@ class ReliabilityStudyModule(LightningModule):
         frontier = self.router.frontier(queries, quality, cost, self.lambdas)
         fixed = fixed_options(quality, cost, self.option_names)
         # The reference: the cheapest fixed option within the tolerance of the best quality (the
-        # highest-quality one alone would let a near-tie with a far dearer option decide).
-        target = max(option.quality for option in fixed) - self.tolerance
+        # highest-quality one alone would let a near-tie with a far dearer option decide); the
+        # tolerance is at least one item.
+        tolerance = max(self.tolerance, 1.0 / len(buckets))
+        target = max(option.quality for option in fixed) - tolerance
         best = min((f for f in fixed if f.quality >= target), key=lambda f: (f.cost, -f.quality))
         singles = [
             f for f, o in zip(fixed, self.option_specs, strict=True) if o["operator"] == "single"
@@ -448,15 +468,19 @@ class ReliabilityStudyModule(LightningModule):
             if not any(g.quality >= f.quality and g.cost < f.cost for g in fixed)
             and not any(g.quality > f.quality and g.cost <= f.cost for g in fixed)
         ]
-        pareto_gains = [gain_at_cost(f.quality, f.cost) for f in pareto]
+        # A Pareto option cheaper than every router point has no gain: counted, not averaged.
+        pareto_gains = [g for f in pareto if not math.isnan(g := gain_at_cost(f.quality, f.cost))]
         winners = self._bucket_winners()
         metrics = {
             "best_fixed_quality": best.quality,
             "best_fixed_cost": best.cost,
             "router_cost_ratio": cost_ratio(frontier),
             "router_quality_gain": gain_at_cost(best.quality, best.cost),
-            "router_pareto_gain_min": min(pareto_gains),
-            "router_pareto_gain_mean": sum(pareto_gains) / len(pareto_gains),
+            "router_pareto_gain_min": min(pareto_gains, default=math.nan),
+            "router_pareto_gain_mean": (
+                sum(pareto_gains) / len(pareto_gains) if pareto_gains else math.nan
+            ),
+            "router_pareto_unreached": float(len(pareto) - len(pareto_gains)),
             "bucket_oracle_cost_ratio": cost_ratio(oracle),
             "bucket_winners": float(len(set(winners))),
         }

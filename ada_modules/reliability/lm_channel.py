@@ -108,7 +108,9 @@ class CausalLMChannel:
         if self.cache_factory is not None:
             kwargs["cache"] = self.cache_factory(config=self.model.config)
         seed = int(torch.randint(2**62, (), generator=generator))
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        # torch.manual_seed reseeds every CUDA device too: fork (and restore) them all.
+        cuda_devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=cuda_devices):
             torch.manual_seed(seed)
             output = self.model.generate(
                 input_ids=input_ids,

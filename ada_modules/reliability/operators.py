@@ -145,6 +145,8 @@ def leader_confidence(leader_votes: int, runner_up_votes: int) -> float:
         >>> leader_confidence(3, 3)
         0.5
     """
+    for name, votes in (("leader_votes", leader_votes), ("runner_up_votes", runner_up_votes)):
+        _check_count(name, votes, 0)
     total = leader_votes + runner_up_votes + 1
     return sum(math.comb(total, k) for k in range(leader_votes + 1)) / 2**total
 
@@ -161,6 +163,12 @@ def _draw(channel: Channel, item: int, n: int, generator: torch.Generator) -> Sa
 def _check_verifier(name: str, verifier: object) -> None:
     if not isinstance(verifier, Verifier):
         raise InputError(f"{name} must be a Verifier (cost and check), got {verifier!r}")
+    _check_nonnegative(f"{name}.cost", verifier.cost)
+
+
+def _check_cost(verifier: Verifier) -> float:
+    """The verifier's cost per check, checked when it is spent (it is a mutable attribute)."""
+    return _check_nonnegative(f"cost of verifier {verifier!r}", verifier.cost)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -227,7 +235,7 @@ class DiversityCombining:
         cost = drawn.cost
         if self.verifier is not None:
             for answer in drawn.answers:
-                cost += self.verifier.cost
+                cost += _check_cost(self.verifier)
                 if self.verifier.check(item, answer, truth, generator=generator):
                     return Outcome(answer, cost, self.num_samples, 1)
         return Outcome(plurality(drawn.answers, self.weights), cost, self.num_samples, 1)
@@ -243,7 +251,8 @@ class HybridRetransmission:
       with a real model, the round where a new hint or view of the query goes in).
 
     Without an ACK after ``max_rounds`` rounds, the last decision is returned. With a perfect
-    verifier and one sample per round, the expected cost is ``c * sum_k P(no ACK in k rounds)``.
+    verifier and one sample per round, the expected cost is
+    ``(c + verifier.cost) * sum_{k=0}^{R-1} P(no ACK in the first k rounds)``.
 
     Args:
         max_rounds: Most rounds (>= 1).
@@ -284,7 +293,7 @@ class HybridRetransmission:
             drawn = _draw(channel, item, self.samples_per_round, generator)
             votes = [*votes, *drawn.answers] if self.mode == "chase" else list(drawn.answers)
             decision = plurality(votes)
-            cost += drawn.cost + self.verifier.cost
+            cost += drawn.cost + _check_cost(self.verifier)
             if self.verifier.check(item, decision, truth, generator=generator):
                 break
         return Outcome(decision, cost, rounds * self.samples_per_round, rounds)
@@ -453,7 +462,7 @@ class RedundantVerification:
         for _ in range(self.num_candidates):
             drawn = _draw(channel, item, 1, generator)
             candidates.append(drawn.answers[0])
-            cost += drawn.cost + sum(verifier.cost for verifier in self.verifiers)
+            cost += drawn.cost + sum(_check_cost(verifier) for verifier in self.verifiers)
             passes = sum(
                 verifier.check(item, drawn.answers[0], truth, generator=generator)
                 for verifier in self.verifiers

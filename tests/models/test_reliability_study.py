@@ -96,6 +96,10 @@ def test_held_out_items_do_not_change_with_the_labelled_count():
             "operator must be one of",
         ),
         ({"options": [OPTIONS[0], OPTIONS[0]]}, "distinct string names"),
+        ({"channels": {"small": {"accuracy": [0.5, 0.5]}}}, r"channels\['small'\] needs a 'cost'"),
+        ({"verifier": {"fpp": 0.0}}, r"verifier takes tpr, fpr and cost, got \['fpp'\]"),
+        ({"lambdas": [0.0, float("nan")]}, r"lambdas must be numbers >= 0"),
+        ({"hardness_scale": float("nan")}, r"hardness_scale must be a number >= 0, got nan"),
         ({"lambdas": [0.0, -1.0]}, r"lambdas must be numbers >= 0"),
         (
             {"matched_quality_tolerance": 1.5},

@@ -34,7 +34,33 @@ def test_samples_cost_their_generated_tokens_and_replay_from_the_generator(lm):
     assert first == again and first != other
     assert len(first.answers) == 4 and all(isinstance(a, str) for a in first.answers)
     # 4 completions of 1..6 tokens each (up to and including the end token), 0.5 per token.
-    assert 4 * 0.5 <= first.cost <= 4 * 6 * 0.5 and (first.cost / 0.5).is_integer()
+    assert 4 * 0.5 <= first.cost <= 4 * 6 * 0.5
+
+
+class _ScriptedLM(torch.nn.Module):
+    """``generate`` appends fixed completions (padded rows; the end token where the row says)."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # the channel reads the device from it
+        self.rows = torch.tensor(rows)
+
+    def generate(self, input_ids, **kwargs):
+        return torch.cat([input_ids, self.rows[: input_ids.shape[0]]], dim=1)
+
+
+def test_cost_is_exactly_the_tokens_up_to_each_end_token(lm):
+    tok = lm.tokenizer
+    four, two, one = (tok.encode(c)[0] for c in "421")
+    rows = [
+        [four, two, tok.eos_id, tok.pad_id, tok.pad_id],  # 3 tokens, "42"
+        [four, tok.eos_id, tok.pad_id, tok.pad_id, tok.pad_id],  # 2 tokens, "4"
+        [one] * 5,  # no end token: all 5 count, "11111"
+    ]
+    channel = CausalLMChannel(_ScriptedLM(rows), tok, ["1+1="], cost_per_token=0.5)
+    samples = channel.sample(0, 3, generator=torch.Generator().manual_seed(0))
+    assert samples.answers == ("42", "4", "11111")
+    assert samples.cost == 0.5 * (3 + 2 + 5)
 
 
 def test_greedy_like_temperature_agrees_and_a_hot_one_spreads(lm):

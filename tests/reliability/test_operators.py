@@ -373,3 +373,19 @@ def test_a_critic_with_a_bad_cost_is_named():
     channel = SimulatedChannel([0.5])
     with pytest.raises(InputError, match="critic cost must be a finite number >= 0, got -1.0"):
         GeneratorCritic(1, FreeLunchCritic())(channel, 0, truth=0, generator=_gen())
+
+
+def test_a_verifier_cost_that_turns_negative_is_an_error_not_a_refund():
+    class Refunding:  # a Verifier whose checks would pay the caller
+        cost = -3.0
+
+        def check(self, item, answer, truth, *, generator):
+            return True
+
+    with pytest.raises(InputError, match=r"verifier.cost must be a finite number >= 0, got -3"):
+        HybridRetransmission(max_rounds=2, verifier=Refunding())
+    verifier = SimulatedVerifier(1.0, 0.0, cost=0.5)
+    harq = HybridRetransmission(max_rounds=2, verifier=verifier)
+    verifier.cost = -3.0  # changed after construction: checked where it is spent
+    with pytest.raises(InputError, match=r"cost of verifier .* must be a finite number >= 0"):
+        harq(SimulatedChannel([0.5]), 0, truth=0, generator=torch.Generator().manual_seed(0))
