@@ -1227,7 +1227,7 @@ def _decode_attention_triton(
             HEAD_DIM=head_dim,
             BLOCK_H=max(16, triton.next_power_of_2(gqa)),
             BLOCK_T=block_t,
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_D=max(32, triton.next_power_of_2(head_dim)),  # >= 32: one 1-bit-plane word
             num_warps=4,
             **part.meta,
         )
