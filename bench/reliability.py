@@ -54,6 +54,7 @@ import torch
 
 from ada_modules.reliability import (
     DiversityCombining,
+    FixedOption,
     GeneratorCritic,
     RatelessSampling,
     SimulatedChannel,
@@ -62,6 +63,7 @@ from ada_modules.reliability import (
     effective_samples,
     inverse_variance_mse,
     majority_vote_accuracy,
+    pareto_front,
     refinement_accuracy,
     refinement_fixed_point,
     refinement_helps,
@@ -372,13 +374,8 @@ def _summary(values: list[float], digits: int = 3) -> str:
 
 
 def _pareto(fixed: list[dict]) -> set[str]:
-    """Fixed options no other one matches for less or beats for as much (the study's rule)."""
-    return {
-        f["name"]
-        for f in fixed
-        if not any(g["quality"] >= f["quality"] and g["cost"] < f["cost"] for g in fixed)
-        and not any(g["quality"] > f["quality"] and g["cost"] <= f["cost"] for g in fixed)
-    }
+    """Names of the fixed options (frontier.json's dicts) on the study's Pareto front."""
+    return {option.name for option in pareto_front([FixedOption(**f) for f in fixed])}
 
 
 def sweep_tables(sweep: Path, out: Path | None) -> dict:

@@ -94,6 +94,8 @@ from ada_modules.reliability.router import (
     KNNRouter,
     cost_at_matched_quality,
     fixed_options,
+    pareto_front,
+    realised_point,
 )
 
 __all__ = ["OPERATORS", "ReliabilityStudyModule"]
@@ -436,20 +438,10 @@ class ReliabilityStudyModule(LightningModule):
         singles = [
             f for f, o in zip(fixed, self.option_specs, strict=True) if o["operator"] == "single"
         ]
-        oracle = []
-        for lam in self.lambdas:
-            chosen = self._bucket_choices(lam)[buckets]
-            rows = torch.arange(len(buckets))
-            oracle.append(
-                FrontierPoint(
-                    lam=lam,
-                    quality=quality[rows, chosen].mean().item(),
-                    cost=cost[rows, chosen].mean().item(),
-                    shares=tuple(
-                        (chosen == t).double().mean().item() for t in range(len(self.option_names))
-                    ),
-                )
-            )
+        oracle = [
+            realised_point(lam, self._bucket_choices(lam)[buckets], quality, cost)
+            for lam in self.lambdas
+        ]
 
         def cost_ratio(points: Sequence[FrontierPoint]) -> float:
             matched = cost_at_matched_quality(points, target)
@@ -462,12 +454,7 @@ class ReliabilityStudyModule(LightningModule):
         for option in fixed:
             self.log(f"test/quality/{option.name}", option.quality)
             self.log(f"test/cost/{option.name}", option.cost)
-        pareto = [
-            f
-            for f in fixed
-            if not any(g.quality >= f.quality and g.cost < f.cost for g in fixed)
-            and not any(g.quality > f.quality and g.cost <= f.cost for g in fixed)
-        ]
+        pareto = pareto_front(fixed)
         # A Pareto option cheaper than every router point has no gain: counted, not averaged.
         pareto_gains = [g for f in pareto if not math.isnan(g := gain_at_cost(f.quality, f.cost))]
         winners = self._bucket_winners()

@@ -61,6 +61,8 @@ from ada_modules.reliability.router import (
     KNNRouter,
     cost_at_matched_quality,
     fixed_options,
+    pareto_front,
+    realised_point,
 )
 
 __all__ = [
@@ -92,7 +94,9 @@ __all__ = [
     "leader_confidence",
     "majority_vote_accuracy",
     "optimal_vote_weight",
+    "pareto_front",
     "plurality",
+    "realised_point",
     "refinement_accuracy",
     "refinement_fixed_point",
     "refinement_helps",

@@ -67,6 +67,8 @@ __all__ = [
     "KNNRouter",
     "cost_at_matched_quality",
     "fixed_options",
+    "pareto_front",
+    "realised_point",
 ]
 
 _METRICS = ("cosine", "euclidean")
@@ -353,20 +355,7 @@ class KNNRouter:
             quality, cost, rows=q_hat.shape[0], row_name="query", options=q_hat.shape[1]
         )
         quality, cost = quality.to(q_hat.device), cost.to(q_hat.device)
-        points = []
-        for lam in lams:
-            choice = _choose(q_hat, c_hat, lam)
-            picked = choice.unsqueeze(1)
-            shares = torch.bincount(choice, minlength=q_hat.shape[1]) / choice.numel()
-            points.append(
-                FrontierPoint(
-                    lam=lam,
-                    quality=quality.gather(1, picked).mean().item(),
-                    cost=cost.gather(1, picked).mean().item(),
-                    shares=tuple(shares.tolist()),
-                )
-            )
-        return points
+        return [realised_point(lam, _choose(q_hat, c_hat, lam), quality, cost) for lam in lams]
 
     def _prepare(self, vectors: Tensor) -> Tensor:
         if self.metric == "cosine":
@@ -397,6 +386,43 @@ def fixed_options(
     means = zip(names, quality.mean(dim=0).tolist(), cost.mean(dim=0).tolist(), strict=True)
     return [
         FixedOption(name=name, index=t, quality=q, cost=c) for t, (name, q, c) in enumerate(means)
+    ]
+
+
+def realised_point(lam: float, choice: Tensor, quality: Tensor, cost: Tensor) -> FrontierPoint:
+    """The frontier point of one ``λ`` whose routing picked option ``choice[i]`` for query ``i``.
+
+    Args:
+        lam: The ``λ`` the choices came from (recorded in the point).
+        choice: ``(m,)`` option index per query.
+        quality: ``(m, T)`` observed quality of every option on each query.
+        cost: ``(m, T)`` observed cost of every option on each query.
+    """
+    picked = choice.unsqueeze(1)
+    shares = torch.bincount(choice, minlength=quality.shape[1]) / choice.numel()
+    return FrontierPoint(
+        lam=lam,
+        quality=quality.gather(1, picked).mean().item(),
+        cost=cost.gather(1, picked).mean().item(),
+        shares=tuple(shares.tolist()),
+    )
+
+
+def pareto_front(options: Sequence[FixedOption]) -> list[FixedOption]:
+    """The options on the empirical Pareto front: no other is as good for less, or better for as
+    much.
+
+    Examples:
+        >>> options = [FixedOption("a", 0, 0.5, 1.0), FixedOption("b", 1, 0.5, 2.0),
+        ...            FixedOption("c", 2, 0.9, 2.0)]
+        >>> [option.name for option in pareto_front(options)]
+        ['a', 'c']
+    """
+    return [
+        f
+        for f in options
+        if not any(g.quality >= f.quality and g.cost < f.cost for g in options)
+        and not any(g.quality > f.quality and g.cost <= f.cost for g in options)
     ]
 
 
