@@ -7,7 +7,9 @@
 # (default 420; scripts without one get only the outer `timeout`, budget + 60 s) and the sections,
 # comma-separated, to its --only. Output goes to stdout and, when OUT is
 # set, to $OUT/run_all.log; each script also writes its $OUT/<slug>.json. A failing script does not
-# stop the others; the exit status is the number of scripts that failed.
+# stop the others; the exit status is the number of scripts that failed. PYTHON picks the
+# interpreter (default python3); BENCH_ARGS adds flags to every script, e.g. a CPU smoke run:
+#   PYTHON=.venv/bin/python BENCH_ARGS="--device cpu --quick" bash bench/gpu/run_all.sh amaris
 set -u
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
