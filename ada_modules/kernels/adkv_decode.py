@@ -473,7 +473,30 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from ada_modules.kernels.kv_quant import _decode_attention_kernel, _unpack_tile
+    from ada_modules.kernels.kv_quant import _decode_attention_kernel
+
+    @triton.jit
+    def _unpack_tile(
+        row_ptrs,
+        d,
+        mask,
+        BITS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
+        # Channels d [BLOCK_D] (any slice: ADKV tiles channels) of each token, one load per code,
+        # in kv_quant's packing: row_ptrs [BLOCK_T] point to each token's words. Returns the codes
+        # [BLOCK_T, BLOCK_D] as int32.
+        if BITS == 3:
+            w0 = tl.load(row_ptrs[:, None] + (d // 16)[None, :], mask=mask, other=0)
+            c = (w0 >> ((d % 16) * 2)[None, :]) & 3
+            N0: tl.constexpr = (HEAD_DIM + 15) // 16
+            w1 = tl.load(row_ptrs[:, None] + N0 + (d // 32)[None, :], mask=mask, other=0)
+            c = c | (((w1 >> (d % 32)[None, :]) & 1) << 2)
+        else:
+            PER: tl.constexpr = 32 // BITS
+            w = tl.load(row_ptrs[:, None] + (d // PER)[None, :], mask=mask, other=0)
+            c = (w >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+        return c
 
     def _int32_bytes(values: tuple[int, ...]) -> int:
         """Four bytes packed little-endian into one int32 (signed, as the kernels compute)."""

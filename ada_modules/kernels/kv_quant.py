@@ -507,28 +507,6 @@ if triton_available():
         return c
 
     @triton.jit
-    def _unpack_tile(
-        row_ptrs,
-        d,
-        mask,
-        BITS: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-    ):
-        # Any channels d [BLOCK_D] of each token (one load per code; ADKV's per-channel tiles):
-        # row_ptrs [BLOCK_T] point to each token's words. Returns the codes [BLOCK_T, BLOCK_D].
-        if BITS == 3:
-            w0 = tl.load(row_ptrs[:, None] + (d // 16)[None, :], mask=mask, other=0)
-            c = (w0 >> ((d % 16) * 2)[None, :]) & 3
-            N0: tl.constexpr = (HEAD_DIM + 15) // 16
-            w1 = tl.load(row_ptrs[:, None] + N0 + (d // 32)[None, :], mask=mask, other=0)
-            c = c | (((w1 >> (d % 32)[None, :]) & 1) << 2)
-        else:
-            PER: tl.constexpr = 32 // BITS
-            w = tl.load(row_ptrs[:, None] + (d // PER)[None, :], mask=mask, other=0)
-            c = (w >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
-        return c
-
-    @triton.jit
     def _quantize_kernel(
         x_ptr,
         codes_ptr,
