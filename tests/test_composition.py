@@ -5,7 +5,8 @@ entry, see docs/contributing.md):
 
 - ``STRATEGIES``: one process, Lightning's FSDP2 ``ModelParallelStrategy`` on 2 ranks, AdERA on 2;
 - ``OPTIMIZERS``: AdamW, AcceleGrad#, Scion, Muon on the hidden matrices chained with AdamW;
-- ``WRAPPERS``: none, ANCRe's ``ConnectivityWrapper``;
+- ``WRAPPERS``: none, ANCRe's ``ConnectivityWrapper``, AOT-POT's multi-stream ``StreamsWrapper``
+  (mHC streams around the decoder layers);
 - ``CACHES`` (at test): transformers' ``DynamicCache``, KIVI, AdaKVQ, ADKV;
 - ``ATTENTIONS`` (at test): transformers' SDPA, AdaCal's sparse prefill (every test prompt takes
   the sparse path: blocks of 16, no minimum length).
@@ -46,7 +47,7 @@ from ada_modules.data import RecallDataModule
 from ada_modules.kv import AdaKVQCache, ADKVCache, KIVICache
 from ada_modules.merging import amaris, collect_activation_stats, output_deviation
 from ada_modules.models import CausalLMModule
-from ada_modules.nn import ConnectivityWrapper
+from ada_modules.nn import ConnectivityWrapper, StreamsWrapper
 from ada_modules.optim import AcceleGradSharp, Muon, Scion
 from ada_modules.reliability import (
     CausalLMChannel,
@@ -82,6 +83,7 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
 WRAPPERS: dict[str, Callable[[], Any] | None] = {
     "none": None,
     "ancre": lambda: ConnectivityWrapper(mode="source"),
+    "streams": lambda: StreamsWrapper(n_streams=2, kind="mhc"),
 }
 CACHES: dict[str, Callable[..., Any]] = {
     "dynamic": DynamicCache,

@@ -1,4 +1,5 @@
-"""Plain ``nn.Module`` building blocks usable without Lightning (residual connectivity, NCA cells, ...)."""
+"""Plain ``nn.Module`` building blocks usable without Lightning (residual connectivity, multi-stream
+residuals, operator networks, ...)."""
 
 from ada_modules.nn.ancre import (
     ANCReStack,
@@ -16,6 +17,25 @@ from ada_modules.nn.ancre_adapters import (
     wrap_timm,
 )
 from ada_modules.nn.moe import MoELayer, Routing, StackedExperts, load_balancing_loss
+from ada_modules.nn.multistream import (
+    MultiStreamResidual,
+    MultiStreamStack,
+    expand_streams,
+    permutation_matrices,
+    reduce_streams,
+    sinkhorn,
+)
+from ada_modules.nn.multistream_adapters import (
+    MLPStreamNet,
+    StreamBlock,
+    StreamsWrapper,
+    stream_no_weight_decay,
+    wrap_diffusers_dit_streams,
+    wrap_hf_decoder_streams,
+    wrap_timm_streams,
+)
+from ada_modules.nn.operator_transformer import OperatorTransformer
+from ada_modules.nn.spectral_mixing import SpectralMixing
 
 __all__ = [
     "ANCReStack",
@@ -33,4 +53,19 @@ __all__ = [
     "Routing",
     "StackedExperts",
     "load_balancing_loss",
+    "MultiStreamResidual",
+    "MultiStreamStack",
+    "expand_streams",
+    "permutation_matrices",
+    "reduce_streams",
+    "sinkhorn",
+    "MLPStreamNet",
+    "StreamBlock",
+    "StreamsWrapper",
+    "stream_no_weight_decay",
+    "wrap_diffusers_dit_streams",
+    "wrap_hf_decoder_streams",
+    "wrap_timm_streams",
+    "OperatorTransformer",
+    "SpectralMixing",
 ]
