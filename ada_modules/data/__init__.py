@@ -5,6 +5,10 @@ Every sequence task shares :class:`CharTokenizer`, so one model fits all of them
 :class:`RopeDriftDataModule` generates keys with drifting RoPE outlier channels, and
 :class:`CapturedKVDataModule` serves the keys, values and queries that :func:`capture_kv` records
 from a Hugging Face model.
+
+Operator-learning data for AOT-POT: :class:`PDEDataModule` serves windows of trajectories of one
+or several PDE families (advection, diffusion, Burgers, Allen-Cahn, KdV; 2D advection and
+diffusion), solved pseudo-spectrally by :func:`solve_pde`.
 """
 
 from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpad
@@ -21,6 +25,14 @@ from ada_modules.data.kv_capture import (
     save_captured_kv,
 )
 from ada_modules.data.needle import NeedleRecallDataModule
+from ada_modules.data.pde import (
+    PDE_FAMILIES,
+    PDEDataModule,
+    PDEDivergenceError,
+    PDETrajectories,
+    evolve_pde,
+    solve_pde,
+)
 from ada_modules.data.planted_attention import (
     PlantedAttention,
     PlantedAttentionDataModule,
@@ -55,6 +67,10 @@ __all__ = [
     "DigitsDataModule",
     "EnvTaskDataModule",
     "NeedleRecallDataModule",
+    "PDE_FAMILIES",
+    "PDEDataModule",
+    "PDEDivergenceError",
+    "PDETrajectories",
     "PlantedAttention",
     "PlantedAttentionDataModule",
     "RecallDataModule",
@@ -73,8 +89,10 @@ __all__ = [
     "capture_attention",
     "capture_kv",
     "drift_statistics",
+    "evolve_pde",
     "load_captured_kv",
     "planted_attention",
     "rope_drift_kv",
     "save_captured_kv",
+    "solve_pde",
 ]
