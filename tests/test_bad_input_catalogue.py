@@ -25,6 +25,7 @@ from ada_modules.attention import AdaCalPolicy, policy_from_config
 from ada_modules.callbacks import TrainingCurves
 from ada_modules.cli import main
 from ada_modules.data import ArithmeticDataModule, RecallDataModule
+from ada_modules.data.pde import PDEDataModule, solve_pde
 from ada_modules.errors import InputError
 from ada_modules.kernels.sparse_prefill import sparse_prefill_attention
 from ada_modules.kv import (
@@ -37,7 +38,7 @@ from ada_modules.kv import (
 )
 from ada_modules.merging import ActivationStats, amaris
 from ada_modules.models import ADKVCalibrationModule, CausalLMModule
-from ada_modules.nn import wrap_timm
+from ada_modules.nn import MultiStreamResidual, wrap_timm
 from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
 from ada_modules.optim.param_groups import check_param_coverage
 from ada_modules.reliability import (
@@ -55,6 +56,7 @@ QUICKSTART = "cli_configs/quickstart.yaml"
 TINY = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.callbacks=[]"]
 AMARIS = "cli_configs/amaris/merge.yaml"
 RELIABILITY = "cli_configs/reliability/study.yaml"
+AOT_POT = "cli_configs/aot_pot/pretrain.yaml"
 MERGED = "--model.output_dir={tmp}/merged"  # never runs/amaris/merged
 
 
@@ -492,6 +494,31 @@ CASES = [
         _raises(
             lambda tmp: KNNRouter(k=20).fit(torch.eye(10), torch.ones(10, 2), torch.ones(10, 2))
         ),
+    ),
+    Case(
+        "aot_pot",
+        "`ada fit -c cli_configs/aot_pot/pretrain.yaml --model.init_args.patch_size 5`",
+        _cli(["fit", "-c", AOT_POT, "--model.init_args.patch_size=5"]),
+    ),
+    Case(
+        "aot_pot",
+        "`MultiStreamResidual(branch, dim=8, n_streams=0)`",
+        _raises(lambda tmp: MultiStreamResidual(torch.nn.Identity(), dim=8, n_streams=0)),
+    ),
+    Case(
+        "aot_pot",
+        "`MultiStreamResidual(branch, dim=8, sinkhorn_iters=0)`",
+        _raises(lambda tmp: MultiStreamResidual(torch.nn.Identity(), dim=8, sinkhorn_iters=0)),
+    ),
+    Case(
+        "aot_pot",
+        "`solve_pde('navier_stokes', 4)`",
+        _raises(lambda tmp: solve_pde("navier_stokes", 4)),
+    ),
+    Case(
+        "aot_pot",
+        "`PDEDataModule(families=['burgers', 'diffusion_2d'])` (1-D and 2-D together)",
+        _raises(lambda tmp: PDEDataModule(families=["burgers", "diffusion_2d"])),
     ),
     # fmt: on
     Case("sweeps", "`ada sweep missing.yaml`", _cli(["sweep", "{tmp}/missing.yaml"])),

@@ -10,6 +10,7 @@ from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.models.merge import MergeModule
 from ada_modules.models.moe import MoELMModule
 from ada_modules.models.on_policy import OnPolicyModule
+from ada_modules.models.operator_transformer import OperatorTransformerModule
 from ada_modules.models.reliability_study import ReliabilityStudyModule
 from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
 
@@ -19,6 +20,7 @@ __all__ = [
     "ImageClassifierModule",
     "MergeModule",
     "OnPolicyModule",
+    "OperatorTransformerModule",
     "MoELMModule",
     "ReliabilityStudyModule",
     "SparsePrefillStudyModule",

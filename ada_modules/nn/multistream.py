@@ -89,7 +89,10 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20, log_domain: bool = False) ->
             x = x - torch.logsumexp(x, dim=-2, keepdim=True)
             x = x - torch.logsumexp(x, dim=-1, keepdim=True)
         return x.exp()
-    m = (x - x.amax(dim=(-2, -1), keepdim=True)).exp()
+    # the result is invariant to scaling rows and columns: subtracting each row's and then each
+    # column's maximum leaves a 1 in every row and column, so none underflows to 0 (0 / 0 = NaN)
+    x = x - x.amax(dim=-1, keepdim=True)
+    m = (x - x.amax(dim=-2, keepdim=True)).exp()
     for _ in range(iters):
         m = m / m.sum(dim=-2, keepdim=True)
         m = m / m.sum(dim=-1, keepdim=True)
@@ -313,13 +316,16 @@ class MultiStreamResidual(nn.Module):
         # z: (batch, *positions, n, dim)
         z = streams.movedim(2, -1) if self.channel_first else streams
         z = z.movedim(1, -2)
-        pre, post, mix = self.weights(z)
-        # in fp32: weights cast to bf16 no longer sum to 1 and the streams would drift
-        h = (pre.unsqueeze(-1) * z.float()).sum(-2).to(z.dtype)
+        # in fp32, also under autocast: weights rounded to bf16 no longer sum to 1, and the
+        # streams would drift where the plain residual's fp32 addition does not
+        with torch.autocast(z.device.type, enabled=False):
+            pre, post, mix = self.weights(z)
+            h = (pre.unsqueeze(-1) * z.float()).sum(-2).to(z.dtype)
         y = self.branch(h.movedim(-1, 1) if self.channel_first else h, *args, **kwargs)
         if self.channel_first:
             y = y.movedim(1, -1)
-        out = mix @ z.float() + post.unsqueeze(-1) * y.float().unsqueeze(-2)
+        with torch.autocast(z.device.type, enabled=False):
+            out = mix @ z.float() + post.unsqueeze(-1) * y.float().unsqueeze(-2)
         out = out.to(z.dtype).movedim(-2, 1)
         return out.movedim(-1, 2) if self.channel_first else out
 

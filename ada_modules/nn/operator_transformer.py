@@ -97,6 +97,7 @@ class OperatorTransformer(nn.Module):
             ("depth", depth, 1),
             ("mlp_ratio", mlp_ratio, 1),
             ("groups", groups, 1),
+            ("modes", modes, 1),
             ("num_classes", num_classes, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -105,6 +106,12 @@ class OperatorTransformer(nn.Module):
             raise InputError(f"spatial_dims must be 1 or 2, got {spatial_dims!r}")
         if grid % patch_size:
             raise InputError(f"grid={grid} is not divisible by patch_size={patch_size}")
+        tokens = grid // patch_size
+        if modes > tokens // 2 + 1 or (spatial_dims == 2 and modes > tokens // 2):
+            raise InputError(
+                f"modes={modes} is more Fourier modes than the {tokens}-patch grid resolves "
+                f"(grid={grid} / patch_size={patch_size}; at most {tokens // 2 + 2 - spatial_dims})"
+            )
         if width % groups:
             raise InputError(f"width={width} is not divisible by groups={groups}")
         if residual not in RESIDUALS:

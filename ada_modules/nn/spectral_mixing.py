@@ -21,7 +21,8 @@ class SpectralMixing(nn.Module):
 
     Args:
         dim: Channels (divisible by ``num_blocks``).
-        modes: Frequencies kept per axis (at most ``grid // 2 + 1`` of the input it sees).
+        modes: Frequencies kept per axis: at most ``grid // 2 + 1`` of the input it sees (in 2-D,
+            at most ``grid // 2`` on the first axis, whose negative frequencies are kept too).
         spatial_dims: 1 or 2.
         num_blocks: Diagonal blocks of each mode's channel-mixing matrix.
 
