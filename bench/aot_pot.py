@@ -9,11 +9,13 @@
    log-domain Sinkhorn or the permutation mixture.
 2. **Learned models** (``--sweep DIR``, a finished ``ada sweep cli_configs/aot_pot/repro.yaml``
    folder): from the seed-0 pre-trained checkpoints, ``rollouts.png`` (one test trajectory per
-   PDE: ground truth and the rolled-out predictions of ``pre_residual`` and ``pre_mhc``),
-   ``mixing_matrices.png`` (the static part of ``pre_mhc``'s doubly stochastic mixing matrix per
-   sub-layer) and a table of how much the input-dependent weights differ between PDEs (per
-   sub-layer, the largest difference between two PDEs' mean aggregation weights, and the mixing
-   matrices' composite gain, 1 for exactly doubly stochastic products).
+   PDE: ground truth and the rolled-out predictions of ``pre_residual``, ``pre_mhc`` and
+   ``pre_mhc_fast``), ``mixing_matrices.png`` (the static part of each mHC model's doubly
+   stochastic mixing matrix per sub-layer) and a table of how much the stream machinery is used:
+   per sub-layer, the largest difference between two PDEs' mean aggregation weights (input
+   dependence); the streams' relative spread at the trunk's output (0: the streams are equal and
+   the network is the plain residual one); the composite gain of the mixing matrices (1 for
+   exactly doubly stochastic products).
 
 Writes ``aot_pot.json`` (and the PNGs) to ``--out``. Reports only; no assertion on the numbers.
 
@@ -36,7 +38,6 @@ import yaml
 
 from ada_modules.data.pde import PDE_FAMILIES, PDEDataModule
 from ada_modules.models import OperatorTransformerModule
-from ada_modules.nn.multistream import MultiStreamResidual
 from ada_modules.nn.operator_transformer import OperatorTransformer
 
 matplotlib.use("Agg")
@@ -116,11 +117,13 @@ def _test_windows(data: dict) -> tuple[PDEDataModule, torch.Tensor, torch.Tensor
 
 
 def learned(sweep: Path, out: Path) -> dict:
-    """Rollout and mixing-matrix figures and the per-PDE spread of the dynamic weights."""
-    loaded = {name: _load(sweep, f"pre_{name}") for name in ("residual", "mhc")}
+    """Rollout and mixing-matrix figures, and how much the stream machinery was used."""
+    names = [
+        n for n in ("residual", "mhc", "mhc_fast") if (sweep / "shared_fit" / f"pre_{n}").is_dir()
+    ]
+    loaded = {name: _load(sweep, f"pre_{name}") for name in names}
     models = {name: module for name, (module, _) in loaded.items()}
     dm, frames, labels = _test_windows(loaded["mhc"][1])
-    families = dm.families
     history = models["mhc"].history
     picks = [int((labels == i).nonzero()[0]) for i in labels.unique().tolist()]
     fig, axes = plt.subplots(len(picks), 1, figsize=(8, 2.2 * len(picks)), squeeze=False)
@@ -134,32 +137,52 @@ def learned(sweep: Path, out: Path) -> dict:
         last = frames.shape[1] - 1
         ax.plot(x, frames[i, history - 1, 0], color="0.7", label="last input")
         ax.plot(x, frames[i, last, 0], color="k", label="truth (last frame)")
-        for name, style in (("residual", "--"), ("mhc", ":")):
+        for name, style in zip(models, ("--", ":", "-."), strict=False):
             ax.plot(x, rolled[name][row, -1, 0], style, label=f"pre_{name}")
         title = f"{PDE_FAMILIES[int(labels[i])]}: {last - history + 1} frames rolled out"
         ax.set_title(title, fontsize=9)
-    axes[0, 0].legend(fontsize=7, ncol=4)
+    axes[0, 0].legend(fontsize=7, ncol=5)
     fig.tight_layout()
     fig.savefig(out / "rollouts.png", dpi=120)
     plt.close(fig)
 
-    layers = [m for m in models["mhc"].net.trunk.layers if isinstance(m, MultiStreamResidual)]
-    fig, axes = plt.subplots(1, len(layers), figsize=(1.6 * len(layers), 2.0))
-    for ax, (i, layer) in zip(axes, enumerate(layers), strict=True):
-        ax.imshow(layer.mixing_matrix().numpy(), vmin=0, vmax=1, cmap="viridis")
-        ax.set_title(f"{'spectral' if i % 2 == 0 else 'MLP'} {i // 2}", fontsize=8)
-        ax.set_xticks([])
-        ax.set_yticks([])
+    streams = [n for n in models if n != "residual"]
+    layers = {n: list(models[n].net.trunk.layers) for n in streams}
+    width = len(layers["mhc"])
+    fig, axes = plt.subplots(len(streams), width, figsize=(1.6 * width, 2.1 * len(streams)))
+    axes = axes.reshape(len(streams), width)
+    for r, name in enumerate(streams):
+        for i, layer in enumerate(layers[name]):
+            ax = axes[r, i]
+            ax.imshow(layer.mixing_matrix().numpy(), vmin=0, vmax=1, cmap="viridis")
+            ax.set_title(f"pre_{name}: {'spectral' if i % 2 == 0 else 'MLP'} {i // 2}", fontsize=7)
+            ax.set_xticks([])
+            ax.set_yticks([])
     fig.tight_layout()
     fig.savefig(out / "mixing_matrices.png", dpi=120)
     plt.close(fig)
 
-    spread = _pre_weight_spread(models["mhc"], frames[:, :history], labels)
-    return {
-        "families": list(families),
-        "composite_gain": models["mhc"].net.trunk.composite_gain(),
-        "pre_weight_spread": spread,
-    }
+    report = {"families": list(dm.families)}
+    for name in streams:
+        module = models[name]
+        report[name] = {
+            "composite_gain": module.net.trunk.composite_gain(),
+            "pre_weight_spread": _pre_weight_spread(module, frames[:, :history], labels),
+            "stream_spread": _stream_spread(module, frames[:, :history]),
+        }
+    return report
+
+
+def _stream_spread(module, inputs: torch.Tensor) -> float:
+    """||X_s - mean_s X|| / ||mean_s X|| of the streams the trunk averages (0: one stream)."""
+    seen: list[torch.Tensor] = []
+    hook = module.net.trunk.layers[-1].register_forward_hook(lambda m, a, out: seen.append(out))
+    with torch.no_grad():
+        module(inputs)
+    hook.remove()
+    streams = seen[0]
+    mean = streams.mean(1, keepdim=True)
+    return float((streams - mean).norm() / (mean.norm() * streams.shape[1] ** 0.5))
 
 
 def _pre_weight_spread(module, inputs: torch.Tensor, labels: torch.Tensor) -> list[float]:
@@ -206,13 +229,26 @@ def main(argv: list[str] | None = None) -> int:
         )
     result: dict = {"overhead": rows}
     if args.sweep is not None:
-        result["learned"] = learned(args.sweep, args.out)
-        info = result["learned"]
-        print(f"\nLearned (seed 0 of {args.sweep}): composite gain {info['composite_gain']:.4f}\n")
-        print("| sub-layer | max difference of mean aggregation weights between PDEs |")
-        print("|---|---|")
-        for i, value in enumerate(info["pre_weight_spread"]):
-            print(f"| {'spectral' if i % 2 == 0 else 'MLP'} {i // 2} | {value:.4f} |")
+        result["learned"] = info = learned(args.sweep, args.out)
+        names = [n for n in info if n != "families"]
+        print(f"\nLearned (seed 0 of {args.sweep}): per sub-layer, the largest difference of the")
+        print("mean aggregation weights between two PDEs; then the streams' relative spread at the")
+        print("trunk's output and the composite gain of the static mixing matrices.\n")
+        print("| sub-layer | " + " | ".join(f"pre_{n}" for n in names) + " |")
+        print("|---" * (1 + len(names)) + "|")
+        for i in range(len(info[names[0]]["pre_weight_spread"])):
+            cells = " | ".join(f"{info[n]['pre_weight_spread'][i]:.4f}" for n in names)
+            print(f"| {'spectral' if i % 2 == 0 else 'MLP'} {i // 2} | {cells} |")
+        print(
+            "| stream spread | "
+            + " | ".join(f"{info[n]['stream_spread']:.4f}" for n in names)
+            + " |"
+        )
+        print(
+            "| composite gain | "
+            + " | ".join(f"{info[n]['composite_gain']:.4f}" for n in names)
+            + " |"
+        )
         print(f"\nWrote {args.out / 'rollouts.png'} and {args.out / 'mixing_matrices.png'}")
     (args.out / "aot_pot.json").write_text(json.dumps(result, indent=2))
     return 0
