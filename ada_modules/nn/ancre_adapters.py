@@ -38,6 +38,7 @@ from ada_modules.nn.ancre import MODES, ANCReStack, ConnectivityRouter, Mode, wr
 __all__ = [
     "ConnectivityWrapper",
     "MLPResNet",
+    "mlp_blocks",
     "wrap_diffusers_dit",
     "wrap_hf_decoder",
     "wrap_timm",
@@ -298,6 +299,33 @@ class ConnectivityWrapper:
         return wrap_hf_decoder(model, **self.router_kwargs)
 
 
+def mlp_blocks(width: int, depth: int, expansion: int = 1) -> list[nn.Module]:
+    """``depth`` residual branches ``Linear(ReLU(Linear(LayerNorm(x))))`` of width ``width``.
+
+    The blocks of the digits trunks (:class:`MLPResNet`, and ``MLPStreamNet`` of the
+    multi-stream adapters), so every layout there wraps the same branches.
+
+    Raises:
+        ValueError: If ``width``, ``depth`` or ``expansion`` is below 1.
+
+    Examples:
+        >>> len(mlp_blocks(8, depth=3))
+        3
+    """
+    for name, value in (("width", width), ("depth", depth), ("expansion", expansion)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+    return [
+        nn.Sequential(
+            nn.LayerNorm(width),
+            nn.Linear(width, expansion * width),
+            nn.ReLU(),
+            nn.Linear(expansion * width, width),
+        )
+        for _ in range(depth)
+    ]
+
+
 class MLPResNet(ANCReStack):
     """A deep residual MLP trunk ``x + F_i(x)``, ``F_i = Linear(ReLU(Linear(LayerNorm(x))))``.
 
@@ -348,18 +376,7 @@ class MLPResNet(ANCReStack):
         prev_logit: float = 0.0,
         lr_scale: float = 1.0,
     ) -> None:
-        for name, value in (("width", width), ("depth", depth), ("expansion", expansion)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be a positive integer, got {value!r}")
-        blocks = [
-            nn.Sequential(
-                nn.LayerNorm(width),
-                nn.Linear(width, expansion * width),
-                nn.ReLU(),
-                nn.Linear(expansion * width, width),
-            )
-            for _ in range(depth)
-        ]
+        blocks = mlp_blocks(width, depth, expansion)
         super().__init__(
             blocks,
             mode=mode,

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from ada_modules.errors import InputError
+from ada_modules.nn.ancre_adapters import mlp_blocks
 from ada_modules.nn.multistream import (
     Dynamic,
     DynamicInput,
@@ -514,18 +515,7 @@ class MLPStreamNet(MultiStreamStack):
         sinkhorn_iters: int = 20,
         disable: bool = False,
     ) -> None:
-        for name, value in (("width", width), ("depth", depth), ("expansion", expansion)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be a positive integer, got {value!r}")
-        blocks = [
-            nn.Sequential(
-                nn.LayerNorm(width),
-                nn.Linear(width, expansion * width),
-                nn.ReLU(),
-                nn.Linear(expansion * width, width),
-            )
-            for _ in range(depth)
-        ]
+        blocks = mlp_blocks(width, depth, expansion)
         super().__init__(
             blocks,
             width,
