@@ -2,13 +2,13 @@
 
 import copy
 import warnings
+from functools import partial
 
 import pytest
 import timm
 import torch
-from diffusers import DiTTransformer2DModel
+from helpers.tiny_adapter_models import perturb, tiny_dit, tiny_llama, tiny_qwen2, tiny_vit
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ada_modules.nn import (
     ConnectivityWrapper,
@@ -25,38 +25,6 @@ OPTIONS = [{}, {"per_channel": True}, {"dilation": 2, "top_k": 2}]
 OPTION_IDS = ["per_layer", "per_channel", "dilation_top_k"]
 
 
-def _perturb(model: nn.Module) -> nn.Module:
-    """Random non-zero weights everywhere (zero-initialised gates would hide routing bugs)."""
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.1 * torch.randn_like(param))
-    return model.eval()
-
-
-def _llama(layers: int = 4) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return _perturb(LlamaForCausalLM(config))
-
-
-def _qwen2() -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return _perturb(Qwen2ForCausalLM(config))
-
-
 def _options(mode: str, options: dict) -> dict:
     if mode == "denseformer":
         return {k: v for k, v in options.items() if k != "top_k"}
@@ -65,7 +33,7 @@ def _options(mode: str, options: dict) -> dict:
 
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("build", [_llama, _qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("build", [partial(tiny_llama, 4), tiny_qwen2], ids=["llama", "qwen2"])
 def test_hf_decoder_is_unchanged_at_init(seed, build, mode, options):
     model = build()
     ids = torch.randint(0, 32, (2, 7))
@@ -78,7 +46,7 @@ def test_hf_decoder_is_unchanged_at_init(seed, build, mode, options):
 
 
 def test_hf_generate_with_kv_cache_is_unchanged_and_routing_trains(seed):
-    model = _llama()
+    model = tiny_llama(4)
     ids = torch.randint(3, 32, (2, 5))
     expected = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     wrapped = ConnectivityWrapper(mode="source")(copy.deepcopy(model))
@@ -107,32 +75,10 @@ def test_hf_overhead_is_below_one_percent_on_the_tiny_lm():
     assert extra / (total - extra) < 0.01
 
 
-def _vit() -> nn.Module:
-    return _perturb(
-        timm.models.VisionTransformer(
-            img_size=16, patch_size=8, embed_dim=16, depth=3, num_heads=2, num_classes=4
-        )
-    )
-
-
-def _dit() -> nn.Module:
-    return _perturb(
-        DiTTransformer2DModel(
-            num_attention_heads=2,
-            attention_head_dim=8,
-            in_channels=4,
-            num_layers=3,
-            sample_size=8,
-            norm_num_groups=4,
-            num_embeds_ada_norm=10,
-        )
-    )
-
-
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_timm_vit_is_unchanged_at_init(seed, mode, options):
-    vit = _vit()
+    vit = tiny_vit()
     x = torch.randn(2, 3, 16, 16)
     reference = vit(x)
     wrapped = wrap_timm(copy.deepcopy(vit), mode=mode, **_options(mode, options))
@@ -142,7 +88,7 @@ def test_timm_vit_is_unchanged_at_init(seed, mode, options):
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_timm_resnet_stages_are_unchanged_at_init(seed, mode, options):
-    resnet = _perturb(
+    resnet = perturb(
         timm.models.ResNet(
             block=timm.models.resnet.BasicBlock,
             layers=[2, 3, 1, 2],
@@ -162,7 +108,7 @@ def test_timm_resnet_stages_are_unchanged_at_init(seed, mode, options):
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_diffusers_dit_is_unchanged_at_init(seed, mode, options):
-    dit = _dit()
+    dit = tiny_dit()
     x = torch.randn(2, 4, 8, 8)
     kwargs = {"timestep": torch.tensor([1, 5]), "class_labels": torch.tensor([0, 3])}
     reference = dit(x, **kwargs).sample
@@ -171,7 +117,7 @@ def test_diffusers_dit_is_unchanged_at_init(seed, mode, options):
 
 
 def test_hard_export_of_an_adapted_model_at_init_is_the_original(seed):
-    model = _llama()
+    model = tiny_llama(4)
     ids = torch.randint(0, 32, (2, 6))
     reference = model(input_ids=ids).logits
     wrapped = export_hard(ConnectivityWrapper(mode="source")(copy.deepcopy(model)))
@@ -180,7 +126,7 @@ def test_hard_export_of_an_adapted_model_at_init_is_the_original(seed):
 
 
 def test_residual_mode_leaves_the_model_untouched():
-    model = _llama(2)
+    model = tiny_llama(2)
     assert ConnectivityWrapper(mode="residual")(model) is model
     assert not list(find_routers(model))
 
@@ -195,11 +141,11 @@ def test_adapters_reject_models_they_do_not_know():
     with pytest.raises(ValueError, match="mode"):
         ConnectivityWrapper(mode="dense")
     with pytest.raises(ValueError, match="temperature"):
-        ConnectivityWrapper(temperature=0.0)(_llama(2))
+        ConnectivityWrapper(temperature=0.0)(tiny_llama(2))
 
 
 def _resnet() -> nn.Module:  # stage 1: two routed blocks; stage 2: one; stages 3, 4: none
-    return _perturb(
+    return perturb(
         timm.models.ResNet(
             block=timm.models.resnet.BasicBlock,
             layers=[3, 2, 1, 1],
@@ -216,7 +162,7 @@ _IDS = torch.randint(0, 32, (2, 7))
 # name: (build, wrap, enable checkpointing, the routed blocks' container, loss)
 _CHECKPOINTING = {
     "timm_vit": (
-        _vit,
+        tiny_vit,
         wrap_timm,
         lambda m: m.set_grad_checkpointing(True),
         lambda m: m.blocks,
@@ -230,7 +176,7 @@ _CHECKPOINTING = {
         lambda m: m(2 * _IMAGE).square().sum(),
     ),
     "diffusers_dit": (
-        _dit,
+        tiny_dit,
         wrap_diffusers_dit,
         lambda m: m.enable_gradient_checkpointing(),
         lambda m: m.transformer_blocks,
@@ -241,7 +187,7 @@ _CHECKPOINTING = {
         ),
     ),
     "hf_qwen2": (
-        _qwen2,
+        tiny_qwen2,
         wrap_hf_decoder,
         lambda m: m.activation_checkpointing_enable(),
         lambda m: m.model.layers,

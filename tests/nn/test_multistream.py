@@ -192,7 +192,7 @@ def test_composite_gain_is_one_only_for_doubly_stochastic_mixing(kind: str) -> N
 
 def test_parameter_overhead_of_stream_inputs() -> None:
     dim, n = 64, 4
-    blocks = [nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))] * 1
+    blocks = [nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))]
     stack = MultiStreamStack(blocks, dim=dim, n_streams=n, kind="mhc")
     base = sum(p.numel() for p in blocks[0].parameters())
     extra = sum(p.numel() for p in stack.parameters()) - base

@@ -6,9 +6,9 @@ from functools import partial
 import pytest
 import timm
 import torch
-from diffusers import DiTTransformer2DModel
+from helpers.tiny_adapter_models import tiny_dit, tiny_llama, tiny_qwen2, tiny_vit
 from torch import nn
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache
 
 from ada_modules.errors import InputError
 from ada_modules.nn import (
@@ -32,14 +32,6 @@ SETTINGS = [
 SETTING_IDS = ["mhc_token", "hyper_flat", "mhc_permutation_static"]
 
 
-def _perturb(model: nn.Module) -> nn.Module:
-    """Random non-zero weights everywhere (zero-initialised parts would hide bugs)."""
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.1 * torch.randn_like(param))
-    return model.eval()
-
-
 def _perturb_streams(model: nn.Module, scale: float = 0.3) -> None:
     """Move the connection weights: unequal streams, every term carries gradient."""
     with torch.no_grad():
@@ -49,52 +41,6 @@ def _perturb_streams(model: nn.Module, scale: float = 0.3) -> None:
                     param.add_(scale * torch.randn_like(param))
                 if hasattr(module, "dynamic_weight"):
                     module.dynamic_weight.normal_(0.0, scale)
-
-
-def _llama(layers: int = 3) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return _perturb(LlamaForCausalLM(config))
-
-
-def _qwen2() -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return _perturb(Qwen2ForCausalLM(config))
-
-
-def _vit() -> nn.Module:
-    return _perturb(
-        timm.models.VisionTransformer(
-            img_size=16, patch_size=8, embed_dim=16, depth=3, num_heads=2, num_classes=4
-        )
-    )
-
-
-def _dit() -> nn.Module:
-    return _perturb(
-        DiTTransformer2DModel(
-            num_attention_heads=2,
-            attention_head_dim=8,
-            in_channels=4,
-            num_layers=3,
-            sample_size=8,
-            norm_num_groups=4,
-            num_embeds_ada_norm=10,
-        )
-    )
 
 
 _IMAGE = torch.randn(2, 3, 16, 16)
@@ -107,7 +53,7 @@ def _ids() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
-@pytest.mark.parametrize("build", [_llama, _qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("build", [partial(tiny_llama, 3), tiny_qwen2], ids=["llama", "qwen2"])
 def test_hf_decoder_is_the_original_at_init(seed, build, settings):
     model = build()
     ids = _ids()
@@ -127,7 +73,7 @@ def test_hf_decoder_is_the_original_at_init(seed, build, settings):
 
 
 def test_hf_generate_with_kv_cache_gives_the_same_tokens_and_trains(seed):
-    model = _llama()
+    model = tiny_llama(3)
     ids = torch.randint(3, 32, (2, 5))
     greedy = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
     expected = model.generate(input_ids=ids, **greedy)
@@ -151,7 +97,7 @@ def test_hf_generate_with_kv_cache_gives_the_same_tokens_and_trains(seed):
 
 
 def test_backward_reaches_the_stream_weights_at_init(seed):
-    model = wrap_hf_decoder_streams(_llama(), n_streams=4, kind="hyper").train()
+    model = wrap_hf_decoder_streams(tiny_llama(3), n_streams=4, kind="hyper").train()
     ids = _ids()
     model(input_ids=ids, labels=ids).loss.backward()
     for layer in model.model.layers:
@@ -165,12 +111,12 @@ def test_backward_reaches_the_stream_weights_at_init(seed):
 
 
 def test_no_weight_decay_names_the_static_weights():
-    model = wrap_hf_decoder_streams(_llama(2), n_streams=2)
+    model = wrap_hf_decoder_streams(tiny_llama(2), n_streams=2)
     names = {f"model.layers.{i}.streams.{n}" for i in range(2) for n in NO_DECAY}
     assert model.no_weight_decay() == names
     assert names <= dict(model.named_parameters()).keys()
     assert model.model.layers[0].no_weight_decay() == {f"streams.{n}" for n in NO_DECAY}
-    vit = _vit()
+    vit = tiny_vit()
     own = vit.no_weight_decay()
     wrapped = wrap_timm_streams(vit, n_streams=2)
     assert wrapped.no_weight_decay() == own | {
@@ -179,12 +125,12 @@ def test_no_weight_decay_names_the_static_weights():
     assert copy.deepcopy(wrapped).no_weight_decay() == wrapped.no_weight_decay()
     holder = nn.ModuleDict({"net": wrapped})
     assert "net.blocks.0.streams.pre_static" in stream_no_weight_decay(holder)
-    assert wrap_hf_decoder_streams(_llama(2), disable=True).no_weight_decay() == set()
+    assert wrap_hf_decoder_streams(tiny_llama(2), disable=True).no_weight_decay() == set()
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=SETTING_IDS)
 def test_timm_vit_is_the_original_at_init(seed, settings):
-    vit = _vit()
+    vit = tiny_vit()
     reference = vit(_IMAGE)
     wrapped = wrap_timm_streams(copy.deepcopy(vit), n_streams=4, **settings)
     torch.testing.assert_close(wrapped(_IMAGE), reference, rtol=1e-5, atol=1e-5)
@@ -192,22 +138,22 @@ def test_timm_vit_is_the_original_at_init(seed, settings):
 
 @pytest.mark.parametrize("settings", [*SETTINGS, {"dynamic": "pooled"}], ids=[*SETTING_IDS, "pool"])
 def test_diffusers_dit_is_the_original_at_init(seed, settings):
-    dit = _dit()
+    dit = tiny_dit()
     reference = dit(_LATENT, **_DIT_KWARGS).sample
     wrapped = wrap_diffusers_dit_streams(copy.deepcopy(dit), n_streams=4, **settings)
     torch.testing.assert_close(wrapped(_LATENT, **_DIT_KWARGS).sample, reference)
 
 
 def test_disable_is_bitwise_the_original(seed):
-    model = _qwen2()
+    model = tiny_qwen2()
     ids = _ids()
     wrapped = StreamsWrapper(disable=True)(copy.deepcopy(model))
     assert isinstance(wrapped.model.layers[0], StreamBlock)
     assert not list(wrapped.model.layers[0].streams.parameters(recurse=False))
     assert torch.equal(wrapped(input_ids=ids).logits, model(input_ids=ids).logits)
-    vit = _vit()
+    vit = tiny_vit()
     assert torch.equal(wrap_timm_streams(copy.deepcopy(vit), disable=True)(_IMAGE), vit(_IMAGE))
-    dit = _dit()
+    dit = tiny_dit()
     out = wrap_diffusers_dit_streams(copy.deepcopy(dit), disable=True)(_LATENT, **_DIT_KWARGS)
     assert torch.equal(out.sample, dit(_LATENT, **_DIT_KWARGS).sample)
 
@@ -216,19 +162,19 @@ _IDS = torch.randint(0, 32, (2, 7))
 # name: (build, wrap, enable checkpointing, loss)
 _CHECKPOINTING = {
     "timm_vit": (
-        _vit,
+        tiny_vit,
         wrap_timm_streams,
         lambda m: m.set_grad_checkpointing(True),
         lambda m: m(_IMAGE).square().sum(),
     ),
     "diffusers_dit": (
-        _dit,
+        tiny_dit,
         wrap_diffusers_dit_streams,
         lambda m: m.enable_gradient_checkpointing(),
         lambda m: m(_LATENT, **_DIT_KWARGS).sample.square().sum(),
     ),
     "hf_qwen2": (
-        _qwen2,
+        tiny_qwen2,
         wrap_hf_decoder_streams,
         lambda m: m.activation_checkpointing_enable(),
         lambda m: m(input_ids=_IDS, labels=_IDS, use_cache=False).loss,
@@ -279,19 +225,19 @@ def test_adapters_reject_models_and_settings_they_do_not_know():
     with pytest.raises(InputError, match="ResNet is none of the supported models"):
         StreamsWrapper()(resnet)
     with pytest.raises(InputError, match="pooled"):
-        wrap_hf_decoder_streams(_llama(2), dynamic="pooled")
+        wrap_hf_decoder_streams(tiny_llama(2), dynamic="pooled")
     with pytest.raises(InputError, match="layer_index"):
-        wrap_timm_streams(_vit(), layer_index=1)
+        wrap_timm_streams(tiny_vit(), layer_index=1)
     with pytest.raises(InputError, match="kind"):
         StreamsWrapper(kind="dense")
     with pytest.raises(InputError, match="n_streams"):
         StreamsWrapper(n_streams=0)
     with pytest.raises(InputError, match="already has stream residuals"):
-        wrap_timm_streams(wrap_timm_streams(_vit()))
+        wrap_timm_streams(wrap_timm_streams(tiny_vit()))
 
 
 def test_a_skipped_layer_is_reported(seed):
-    vit = wrap_timm_streams(_vit(), n_streams=2)
+    vit = wrap_timm_streams(tiny_vit(), n_streams=2)
     with pytest.raises(InputError, match="stream block 1 of 3 expected 2 packed streams"):
         vit.blocks[1](torch.randn(2, 5, 16))
 
