@@ -161,13 +161,7 @@ class OperatorTransformerModule(LightningModule):
 
     def rollout(self, frames: torch.Tensor, steps: int) -> torch.Tensor:
         """``steps`` frames predicted auto-regressively from ``frames`` (its last ``history``)."""
-        window = frames[:, -self.history :]
-        predictions = []
-        for _ in range(steps):
-            nxt = self(window)
-            predictions.append(nxt)
-            window = torch.cat([window[:, 1:], nxt.unsqueeze(1)], dim=1)
-        return torch.stack(predictions, dim=1)
+        return self.net.rollout(frames, steps)
 
     def _check_batch(self, frames: torch.Tensor) -> None:
         if frames.shape[1] <= self.history:

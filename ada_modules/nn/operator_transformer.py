@@ -191,6 +191,20 @@ class OperatorTransformer(nn.Module):
             logits = self.classifier(h.flatten(2).mean(-1))
         return last + delta, logits
 
+    def rollout(self, frames: torch.Tensor, steps: int) -> torch.Tensor:
+        """``steps`` frames predicted auto-regressively from the last ``history`` of ``frames``.
+
+        Returns ``(batch, steps, channels, *grid)``: each prediction is fed back as the newest
+        input frame.
+        """
+        window = frames[:, -self.history :]
+        predictions = []
+        for _ in range(steps):
+            nxt = self(window)[0]
+            predictions.append(nxt)
+            window = torch.cat([window[:, 1:], nxt.unsqueeze(1)], dim=1)
+        return torch.stack(predictions, dim=1)
+
     def stream_parameters(self) -> list[nn.Parameter]:
         """The multi-stream connections' own parameters (not the sub-layers'); empty for residual."""
         branch = {id(p) for layer in self.trunk.layers for p in layer.branch.parameters()}

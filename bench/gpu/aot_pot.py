@@ -90,13 +90,9 @@ def build(kind: str, args: argparse.Namespace) -> OperatorTransformer:
 @torch.no_grad()
 def evaluate(net: OperatorTransformer, test: torch.Tensor, labels: torch.Tensor) -> dict:
     net.eval()
-    window, predictions = test[:, :HISTORY], []
-    for _ in range(ROLLOUT):
-        with torch.autocast(test.device.type, dtype=torch.bfloat16):
-            nxt = net(window)[0].float()
-        predictions.append(nxt)
-        window = torch.cat([window[:, 1:], nxt.unsqueeze(1)], dim=1)
-    predicted, target = torch.stack(predictions, 1), test[:, HISTORY:]
+    with torch.autocast(test.device.type, dtype=torch.bfloat16):
+        predicted = net.rollout(test[:, :HISTORY], ROLLOUT).float()
+    target = test[:, HISTORY:]
     one = relative_l2(predicted[:, 0], target[:, 0])
     rolled = relative_l2(predicted, target)
     net.train()
