@@ -73,6 +73,7 @@ before that seed's variants, e.g. a base model and then specialists fine-tuned f
     stages: [test]                   # the variants' stages (default [test]; `fit` not allowed)
     variants:
       - name: ta                     # names the checkpoints it loads: no --ckpt_path is added
+        base: train_base.yaml        # optional, as for a fit: its own config file(s)
         overrides: {model.init_args.base_model: "{fit_dir:base}/checkpoints/last.ckpt"}
 
 Each fit is an ``ada fit`` call like the shared fit's, with the spec's ``overrides``, its own, then
@@ -395,7 +396,7 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
                     overrides,
                     spec.stages,
                     run_dir,
-                    spec.base,
+                    variant.base or spec.base,
                     ckpt,
                     shared,
                     tuple(chain),

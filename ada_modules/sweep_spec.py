@@ -114,6 +114,8 @@ class Variant:
     overrides: dict[str, Any] = field(default_factory=dict)
     stage_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Overrides added to one stage's call only, by stage (e.g. a KV cache for ``test``)."""
+    base: list[Path] | None = None
+    """Its own LightningCLI config files (absolute; ``None``: the spec's ``base``)."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,7 @@ class SweepSpec:
         if fits is not None and "fit" in stages:
             raise fail("'stages' must not include 'fit' when 'fits' are given")
 
-        variants = _variants(data, stages, fail)
+        variants = _variants(data, stages, path.parent, fail)
         seeds = _seeds(data.get("seeds", [0]), "seeds", fail)
         quick_seeds = None
         if "quick_seeds" in data:
@@ -349,7 +351,7 @@ def _stage_overrides(
     }
 
 
-def _variants(data: dict[str, Any], stages: list[str], fail: _Fail) -> list[Variant]:
+def _variants(data: dict[str, Any], stages: list[str], folder: Path, fail: _Fail) -> list[Variant]:
     listed = [Variant("base")]
     if "variants" in data:
         entries = data["variants"]
@@ -359,18 +361,23 @@ def _variants(data: dict[str, Any], stages: list[str], fail: _Fail) -> list[Vari
         for i, entry in enumerate(entries):
             if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
                 raise fail(f"variants[{i}] must be a mapping with a 'name' string")
-            unknown = sorted(set(entry) - {"name", "overrides", "stage_overrides"})
+            unknown = sorted(set(entry) - {"name", "base", "overrides", "stage_overrides"})
             if unknown:
                 raise fail(
                     f"unknown key {unknown[0]!r} in variant {entry['name']!r}; "
-                    "allowed keys: name, overrides, stage_overrides"
+                    "allowed keys: name, base, overrides, stage_overrides"
                 )
             where = f"variants[{i}].overrides"
+            base = None
+            if "base" in entry:
+                what = f"base config of variant {entry['name']!r}"
+                base = _config_files(entry["base"], f"'variants[{i}].base'", what, folder, fail)
             listed.append(
                 Variant(
                     entry["name"],
                     _overrides(entry.get("overrides") or {}, where, fail),
                     _stage_overrides(entry.get("stage_overrides") or {}, i, stages, fail),
+                    base,
                 )
             )
     variants = listed
@@ -387,7 +394,12 @@ def _variants(data: dict[str, Any], stages: list[str], fail: _Fail) -> list[Vari
             variants = points
         else:
             variants = [
-                Variant(f"{v.name},{p.name}", {**v.overrides, **p.overrides}, v.stage_overrides)
+                Variant(
+                    f"{v.name},{p.name}",
+                    {**v.overrides, **p.overrides},
+                    v.stage_overrides,
+                    v.base,
+                )
                 for v in listed
                 for p in points
             ]

@@ -961,3 +961,29 @@ def test_fits_sweep_end_to_end(tmp_path):
     ], [r.error for r in records]
     for name in ("base", "more"):
         assert (tmp_path / "shared_fit" / name / "seed_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_variant_runs_with_its_own_base(tmp_path):
+    other = tmp_path / "other.yaml"
+    other.write_text(BASE.read_text(encoding="utf-8"), encoding="utf-8")
+    spec = write_spec(
+        tmp_path,
+        "variants: [{name: a}, {name: b, base: other.yaml}]\ngrid: {trainer.max_steps: [1, 2]}\n",
+    )
+    _, runs = sweep._plan(SweepSpec.from_yaml(spec), tmp_path / "out", quick=False)
+    bases = {run.variant: run.base for run in runs}
+    assert bases == {
+        "a,max_steps=1": (BASE,),
+        "a,max_steps=2": (BASE,),
+        "b,max_steps=1": (other.resolve(),),
+        "b,max_steps=2": (other.resolve(),),
+    }
+    assert all(args[:2] == ("-c", str(run.base[0])) for run in runs for _, args in run.calls)
+
+
+def test_a_variant_base_that_does_not_exist(tmp_path):
+    spec = write_spec(tmp_path, "variants: [{name: a, base: nope.yaml}]\n")
+    with pytest.raises(SweepSpecError) as error:
+        SweepSpec.from_yaml(spec)
+    missing = tmp_path / "nope.yaml"
+    assert str(error.value) == f"{spec.resolve()}: base config of variant 'a' not found: {missing}"
