@@ -1,6 +1,11 @@
-"""Plain ``nn.Module`` building blocks usable without Lightning (residual connectivity, multi-stream
-residuals, operator networks, ...)."""
+"""Plain ``nn.Module`` building blocks usable without Lightning (neural cellular automata, residual
+connectivity, multi-stream residuals, operator networks, ...)."""
 
+from ada_modules.nn.anca import (
+    DeformablePerception,
+    NeuralCellularAutomaton,
+    deform_conv2d_reference,
+)
 from ada_modules.nn.ancre import (
     ANCReStack,
     ConnectivityRouter,
@@ -38,6 +43,9 @@ from ada_modules.nn.operator_transformer import OperatorTransformer
 from ada_modules.nn.spectral_mixing import SpectralMixing
 
 __all__ = [
+    "DeformablePerception",
+    "NeuralCellularAutomaton",
+    "deform_conv2d_reference",
     "ANCReStack",
     "ConnectivityRouter",
     "ConnectivityWrapper",
