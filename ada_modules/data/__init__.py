@@ -9,6 +9,10 @@ from a Hugging Face model.
 Operator-learning data for AOT-POT: :class:`PDEDataModule` serves windows of trajectories of one
 or several PDE families (advection, diffusion, Burgers, Allen-Cahn, KdV; 2D advection and
 diffusion), solved pseudo-spectrally by :func:`solve_pde`.
+
+Puzzles for aNCA: :class:`MazeDataModule` and :class:`SudokuDataModule` serve seeded mazes and
+Sudoku puzzles (:func:`generate_maze`, :func:`generate_sudoku`) as per-cell image tensors, scored
+by :func:`maze_solved` and :func:`sudoku_solved`.
 """
 
 from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpad
@@ -38,6 +42,19 @@ from ada_modules.data.planted_attention import (
     PlantedAttentionDataModule,
     planted_attention,
 )
+from ada_modules.data.puzzle_datamodules import MazeDataModule, SudokuDataModule
+from ada_modules.data.puzzles import (
+    Maze,
+    count_solutions,
+    generate_maze,
+    generate_sudoku,
+    maze_solved,
+    maze_tensors,
+    shortest_path,
+    solved_grid,
+    sudoku_solved,
+    sudoku_tensors,
+)
 from ada_modules.data.recall import RecallDataModule
 from ada_modules.data.reliability_items import (
     ReliabilityItems,
@@ -66,6 +83,8 @@ __all__ = [
     "DigitDomainsDataModule",
     "DigitsDataModule",
     "EnvTaskDataModule",
+    "Maze",
+    "MazeDataModule",
     "NeedleRecallDataModule",
     "PDE_FAMILIES",
     "PDEDataModule",
@@ -82,17 +101,27 @@ __all__ = [
     "SequenceExample",
     "SequenceTaskDataModule",
     "SplitDataModule",
+    "SudokuDataModule",
     "TaskDomainsDataModule",
     "TaskItemsDataModule",
     "addition_scratchpad",
     "apply_rope",
     "capture_attention",
     "capture_kv",
+    "count_solutions",
     "drift_statistics",
     "evolve_pde",
+    "generate_maze",
+    "generate_sudoku",
     "load_captured_kv",
+    "maze_solved",
+    "maze_tensors",
     "planted_attention",
     "rope_drift_kv",
     "save_captured_kv",
+    "shortest_path",
     "solve_pde",
+    "solved_grid",
+    "sudoku_solved",
+    "sudoku_tensors",
 ]
