@@ -9,6 +9,7 @@ from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.models.merge import MergeModule
 from ada_modules.models.moe import MoELMModule
+from ada_modules.models.nca_solver import MazeNCAModule, NCASolverModule, SudokuNCAModule
 from ada_modules.models.on_policy import OnPolicyModule
 from ada_modules.models.operator_transformer import OperatorTransformerModule
 from ada_modules.models.reliability_study import ReliabilityStudyModule
@@ -18,10 +19,13 @@ __all__ = [
     "ADKVCalibrationModule",
     "CausalLMModule",
     "ImageClassifierModule",
+    "MazeNCAModule",
     "MergeModule",
+    "NCASolverModule",
     "OnPolicyModule",
     "OperatorTransformerModule",
     "MoELMModule",
     "ReliabilityStudyModule",
     "SparsePrefillStudyModule",
+    "SudokuNCAModule",
 ]
