@@ -10,9 +10,10 @@ Operator-learning data for AOT-POT: :class:`PDEDataModule` serves windows of tra
 or several PDE families (advection, diffusion, Burgers, Allen-Cahn, KdV; 2D advection and
 diffusion), solved pseudo-spectrally by :func:`solve_pde`.
 
-Puzzles for aNCA: :class:`MazeDataModule` and :class:`SudokuDataModule` serve seeded mazes and
-Sudoku puzzles (:func:`generate_maze`, :func:`generate_sudoku`) as per-cell image tensors, scored
-by :func:`maze_solved` and :func:`sudoku_solved`.
+Puzzles for aNCA: :class:`MazeDataModule` and :class:`SudokuDataModule` serve seeded mazes
+(:mod:`~ada_modules.data.mazes`, :func:`generate_maze`) and Sudoku puzzles
+(:mod:`~ada_modules.data.sudoku`, :func:`generate_sudoku`) as per-cell image tensors, scored by
+:func:`maze_solved` and :func:`sudoku_solved`.
 """
 
 from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpad
@@ -28,6 +29,7 @@ from ada_modules.data.kv_capture import (
     load_captured_kv,
     save_captured_kv,
 )
+from ada_modules.data.mazes import Maze, generate_maze, maze_solved, maze_tensors, shortest_path
 from ada_modules.data.needle import NeedleRecallDataModule
 from ada_modules.data.pde import (
     PDE_FAMILIES,
@@ -43,18 +45,6 @@ from ada_modules.data.planted_attention import (
     planted_attention,
 )
 from ada_modules.data.puzzle_datamodules import MazeDataModule, SudokuDataModule
-from ada_modules.data.puzzles import (
-    Maze,
-    count_solutions,
-    generate_maze,
-    generate_sudoku,
-    maze_solved,
-    maze_tensors,
-    shortest_path,
-    solved_grid,
-    sudoku_solved,
-    sudoku_tensors,
-)
 from ada_modules.data.recall import RecallDataModule
 from ada_modules.data.reliability_items import (
     ReliabilityItems,
@@ -70,6 +60,13 @@ from ada_modules.data.rope_drift import (
 )
 from ada_modules.data.sequence_task import SequenceCollator, SequenceExample, SequenceTaskDataModule
 from ada_modules.data.split_datamodule import SplitDataModule
+from ada_modules.data.sudoku import (
+    count_solutions,
+    generate_sudoku,
+    solved_grid,
+    sudoku_solved,
+    sudoku_tensors,
+)
 from ada_modules.data.task_domains import TaskDomainsDataModule
 from ada_modules.data.tokenizer import CharTokenizer
 

@@ -2,9 +2,9 @@
 
 Both serve ``TensorDataset(inputs, target)`` items, images a neural cellular automaton reads and
 labels it predicts per cell: :class:`MazeDataModule` the ``[open, start, end]`` channels of a
-maze and its shortest path (:func:`~ada_modules.data.puzzles.maze_tensors`),
+maze and its shortest path (:func:`~ada_modules.data.mazes.maze_tensors`),
 :class:`SudokuDataModule` one-hot puzzles and their solutions' digits
-(:func:`~ada_modules.data.puzzles.sudoku_tensors`). Evaluation can be harder than training:
+(:func:`~ada_modules.data.sudoku.sudoku_tensors`). Evaluation can be harder than training:
 larger test mazes (``eval_size``), fewer givens in the validation and test puzzles
 (``eval_givens``).
 
@@ -19,17 +19,10 @@ import time
 import numpy as np
 from torch.utils.data import TensorDataset
 
-from ada_modules.data.puzzles import (
-    _UNIQUE_MIN_GIVENS,
-    _check_box,
-    _check_maze_size,
-    _is_int,
-    generate_maze,
-    generate_sudoku,
-    maze_tensors,
-    sudoku_tensors,
-)
+from ada_modules.data._puzzle_args import is_int
+from ada_modules.data.mazes import _check_maze_size, generate_maze, maze_tensors
 from ada_modules.data.split_datamodule import SplitDataModule
+from ada_modules.data.sudoku import _UNIQUE_MIN_GIVENS, _check_box, generate_sudoku, sudoku_tensors
 from ada_modules.errors import InputError
 
 __all__ = ["MazeDataModule", "SudokuDataModule"]
@@ -47,7 +40,7 @@ _MAZE, _SUDOKU = 1, 2  # puzzle codes in the seeds
 
 
 def _check_count(name: str, value: object) -> int:
-    if not _is_int(value) or value < 1:  # type: ignore[operator]
+    if not is_int(value) or value < 1:  # type: ignore[operator]
         raise InputError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)  # type: ignore[arg-type]
 
@@ -83,10 +76,11 @@ class _PuzzleDataModule(SplitDataModule):
 class MazeDataModule(_PuzzleDataModule):
     """Perfect mazes and their shortest start-to-end paths, generated from a seed.
 
-    The mazes come from :func:`~ada_modules.data.puzzles.generate_maze`. Items are ``(inputs, target)``: ``inputs`` float32 ``(3, H, W)``, channels ``[open, start,
-    end]`` as 0/1, and ``target`` int64 ``(H, W)``, 1 on the path and 0 elsewhere. Training and
-    validation mazes have side ``size``; test (and predict) mazes have side ``eval_size``, so a
-    model trained on small mazes can be tested on larger ones by overriding only ``eval_size``.
+    The mazes come from :func:`~ada_modules.data.mazes.generate_maze`. Items are
+    ``(inputs, target)``: ``inputs`` float32 ``(3, H, W)``, channels ``[open, start, end]`` as
+    0/1, and ``target`` int64 ``(H, W)``, 1 on the path and 0 elsewhere. Training and validation
+    mazes have side ``size``; test (and predict) mazes have side ``eval_size``, so a model trained
+    on small mazes can be tested on larger ones by overriding only ``eval_size``.
 
     Args:
         size: Side of the training and validation grids, an odd integer >= 5.
@@ -159,11 +153,7 @@ class MazeDataModule(_PuzzleDataModule):
 def _check_givens(name: str, value: object, box: int, unique: bool) -> tuple[int, int]:
     cells = box**4
     low = _UNIQUE_MIN_GIVENS[box] if unique else 0
-    if (
-        not isinstance(value, (tuple, list))
-        or len(value) != 2
-        or not all(_is_int(v) for v in value)
-    ):
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or not all(is_int(v) for v in value):
         raise InputError(f"{name} must be a pair [lo, hi] of integers, got {value!r}")
     lo, hi = int(value[0]), int(value[1])
     if lo > hi:
@@ -181,13 +171,14 @@ def _check_givens(name: str, value: object, box: int, unique: bool) -> tuple[int
 class SudokuDataModule(_PuzzleDataModule):
     """Sudoku puzzles and their solutions, generated from a seed.
 
-    The puzzles come from :func:`~ada_modules.data.puzzles.generate_sudoku`. Items are ``(inputs, target)``: ``inputs`` float32 ``(n + 1, n, n)``, one-hot (channel 0 =
-    blank, channel ``d`` = digit ``d``), and ``target`` int64 ``(n, n)``, the solution's digit
-    minus 1. Each puzzle's number of givens is drawn uniformly from an inclusive range:
+    The puzzles come from :func:`~ada_modules.data.sudoku.generate_sudoku`. Items are
+    ``(inputs, target)``: ``inputs`` float32 ``(n + 1, n, n)``, one-hot (channel 0 = blank,
+    channel ``d`` = digit ``d``), and ``target`` int64 ``(n, n)``, the solution's digit minus 1.
+    Each puzzle's number of givens is drawn uniformly from an inclusive range:
     ``givens`` for training, ``eval_givens`` for validation and test. Training puzzles may have
     several solutions (fast to generate; the target is one of them); validation and test puzzles
     have exactly one when ``unique_eval``. Score predictions with
-    :func:`~ada_modules.data.puzzles.sudoku_solved`, which accepts any valid completion.
+    :func:`~ada_modules.data.sudoku.sudoku_solved`, which accepts any valid completion.
 
     Unique puzzles with fewer than about 24 givens (9x9) take many generation attempts, and
     below about 22 generation usually fails (``RuntimeError`` in :meth:`setup`).

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from ada_modules.data.puzzles import maze_solved, sudoku_solved
+from ada_modules.data.mazes import maze_solved
+from ada_modules.data.sudoku import sudoku_solved
 from ada_modules.errors import InputError
 from ada_modules.nn.anca import Backend, NeuralCellularAutomaton
 from ada_modules.optim.param_groups import geometry_param_groups

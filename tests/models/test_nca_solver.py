@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from ada_modules.data import MazeDataModule, SudokuDataModule
-from ada_modules.data.puzzles import generate_sudoku, sudoku_tensors
+from ada_modules.data.sudoku import generate_sudoku, sudoku_tensors
 from ada_modules.errors import InputError
 from ada_modules.models import MazeNCAModule, SudokuNCAModule
 
