@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -24,8 +25,10 @@ from transformers import DynamicCache, LlamaConfig
 from ada_modules.attention import AdaCalPolicy, policy_from_config
 from ada_modules.callbacks import TrainingCurves
 from ada_modules.cli import main
-from ada_modules.data import ArithmeticDataModule, RecallDataModule
+from ada_modules.data import ArithmeticDataModule, RecallDataModule, SudokuDataModule
+from ada_modules.data.mazes import generate_maze
 from ada_modules.data.pde import PDEDataModule, solve_pde
+from ada_modules.data.sudoku import generate_sudoku
 from ada_modules.errors import InputError
 from ada_modules.kernels.sparse_prefill import sparse_prefill_attention
 from ada_modules.kv import (
@@ -38,7 +41,7 @@ from ada_modules.kv import (
 )
 from ada_modules.merging import ActivationStats, amaris
 from ada_modules.models import ADKVCalibrationModule, CausalLMModule
-from ada_modules.nn import MultiStreamResidual, wrap_timm
+from ada_modules.nn import MultiStreamResidual, NeuralCellularAutomaton, wrap_timm
 from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
 from ada_modules.optim.param_groups import check_param_coverage
 from ada_modules.reliability import (
@@ -57,6 +60,7 @@ TINY = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.callbacks=
 AMARIS = "cli_configs/amaris/merge.yaml"
 RELIABILITY = "cli_configs/reliability/study.yaml"
 AOT_POT = "cli_configs/aot_pot/pretrain.yaml"
+ANCA_MAZE = "cli_configs/anca/maze.yaml"
 MERGED = "--model.output_dir={tmp}/merged"  # never runs/amaris/merged
 
 
@@ -519,6 +523,36 @@ CASES = [
         "aot_pot",
         "`PDEDataModule(families=['burgers', 'diffusion_2d'])` (1-D and 2-D together)",
         _raises(lambda tmp: PDEDataModule(families=["burgers", "diffusion_2d"])),
+    ),
+    Case(
+        "anca",
+        "`ada fit -c cli_configs/anca/maze.yaml --data.init_args.size 10`",
+        _cli(["fit", "-c", ANCA_MAZE, "--data.init_args.size=10"]),
+    ),
+    Case(
+        "anca",
+        "`ada fit -c cli_configs/anca/maze.yaml --model.init_args.steps 0`",
+        _cli(["fit", "-c", ANCA_MAZE, "--model.init_args.steps=0"]),
+    ),
+    Case(
+        "anca",
+        "`generate_maze(3, rng)`",
+        _raises(lambda tmp: generate_maze(3, np.random.default_rng(0))),
+    ),
+    Case(
+        "anca",
+        "`generate_sudoku(3, givens=16, rng)` (unique)",
+        _raises(lambda tmp: generate_sudoku(3, 16, np.random.default_rng(0))),
+    ),
+    Case(
+        "anca",
+        "`SudokuDataModule(box=3, givens=(10, 20))`",
+        _raises(lambda tmp: SudokuDataModule(box=3, givens=(10, 20))),
+    ),
+    Case(
+        "anca",
+        "`NeuralCellularAutomaton(in_channels=3, out_channels=2)(x)` with 4-channel `x`",
+        _raises(lambda tmp: NeuralCellularAutomaton(3, 2)(torch.zeros(1, 4, 9, 9), steps=2)),
     ),
     # fmt: on
     Case("sweeps", "`ada sweep missing.yaml`", _cli(["sweep", "{tmp}/missing.yaml"])),

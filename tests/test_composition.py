@@ -11,6 +11,8 @@ entry, see docs/contributing.md):
 - ``ATTENTIONS`` (at test): transformers' SDPA, AdaCal's sparse prefill (every test prompt takes
   the sparse path: blocks of 16, no minimum length).
 
+aNCA's maze solver is a model of its own: its test below trains it with each optimizer.
+
 Merging (AMARIS) is not a factor of a training run: it acts on checkpoints afterwards. Its test
 below merges a specialist of each wrapper into its base and generates through every cache. The
 reliability layer's operators sample a trained model; their test below runs them on a model of
@@ -43,10 +45,10 @@ from transformers import DynamicCache
 
 import ada_modules.attention  # noqa: F401  (registers the sparse prefill attention functions)
 from ada_modules.callbacks import ConnectivityMonitor, SparsePrefillMonitor
-from ada_modules.data import RecallDataModule
+from ada_modules.data import MazeDataModule, RecallDataModule
 from ada_modules.kv import AdaKVQCache, ADKVCache, KIVICache
 from ada_modules.merging import amaris, collect_activation_stats, output_deviation
-from ada_modules.models import CausalLMModule
+from ada_modules.models import CausalLMModule, MazeNCAModule
 from ada_modules.nn import ConnectivityWrapper, StreamsWrapper
 from ada_modules.optim import AcceleGradSharp, Muon, Scion
 from ada_modules.reliability import (
@@ -449,3 +451,34 @@ def test_reliability_operators_sample_a_model_of_each_wrapper_through_every_cach
         outcomes = run(make_cache)
         assert all(isinstance(o.answer, str) and o.samples <= o.cost <= 4 * o.samples
                    for o in outcomes), name  # fmt: skip
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "accelegrad_sharp", "scion"])
+def test_the_anca_solver_trains_with_each_optimizer_that_takes_its_layers(optimizer):
+    """aNCA is a model of its own (a grid automaton, no decoder, cache or attention), so of the
+    matrix's factors only the optimizer reaches it: each optimizer whose parameter groups it can
+    form (all parameters, or one group per layer role) fits the deformable maze solver on one
+    fixed batch, and the loss goes down. Muon's chain is left out: it splits a decoder's
+    attention and MLP matrices from the rest, and an NCA has neither."""
+    seed_everything(0)
+    spec = OPTIMIZERS[optimizer]
+    module = MazeNCAModule(
+        state_channels=8, hidden_channels=16, steps=6, min_steps=6,
+        param_groups="all" if "param_groups" not in spec else spec["param_groups"],
+        optimizer=spec["optimizer"],
+    )  # fmt: skip
+    data = MazeDataModule(size=7, train_mazes=BATCH, val_mazes=1, test_mazes=1,
+                          batch_size=BATCH, seed=0)  # fmt: skip
+    data.setup("fit")
+    inputs, target = data.datasets["train"].tensors
+
+    def loss() -> float:
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(module(inputs, 6), target).item()
+
+    before = loss()
+    Trainer(
+        accelerator="cpu", max_steps=4 * STEPS, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(module, datamodule=data)  # fmt: skip
+    assert loss() < 0.9 * before, optimizer
