@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,21 @@ def _call(
         raise InstantiationError(f"model.{name}", f"{what}{_reason(cause)}") from error
 
 
+def _explicit_model_keys(command_line: Sequence[str]) -> list[str]:
+    """The dotted ``model.*`` keys set by ``--model.KEY[=VALUE]`` arguments, in order.
+
+    Examples:
+        >>> _explicit_model_keys(["test", "-c", "a.yaml", "--model.init_args.steps=4",
+        ...                       "--model.eval_steps", "8", "--trainer.max_steps=2"])
+        ['model.init_args.steps', 'model.eval_steps']
+    """
+    keys = []
+    for token in command_line:
+        if token.startswith("--model."):
+            keys.append(token[2:].split("=", 1)[0])
+    return keys
+
+
 class AdaCLI(LightningCLI):
     """LightningCLI with ``--metrics_file``, ``sweep`` in its help, early checks and a summary.
 
@@ -115,6 +131,30 @@ class AdaCLI(LightningCLI):
       :class:`~ada_modules.callbacks.TrainingCurves` callback; after ``fit`` rank zero prints
       :func:`~ada_modules.callbacks.fit_summary`.
     """
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        self._command_line = list(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's, except that model arguments given on the command line win.
+
+        With ``--ckpt_path`` naming a file, Lightning replaces the model's config by the
+        checkpoint's hyperparameters, also over explicit ``--model.*`` arguments (Lightning issue
+        #20801), so e.g. ``ada test --ckpt_path run.ckpt --model.init_args.eval_steps=76`` would
+        silently test with the training value. The checkpoint still wins over config files.
+        """
+        if not self.config.get("subcommand"):
+            return
+        before = self.config.clone()
+        super()._parse_ckpt_path()
+        subcommand = self.config.subcommand
+        for key in _explicit_model_keys(self._command_line):
+            for candidate in (key, key.replace("model.", "model.init_args.", 1)):
+                full = f"{subcommand}.{candidate}"
+                if full in before:
+                    self.config[full] = before[full]
+                    break
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(

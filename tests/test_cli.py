@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ada_modules.cli import main
 
@@ -180,3 +181,28 @@ def test_a_bug_during_the_run_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(CausalLMModule, "training_step", buggy_step)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["fit", "-c", str(QUICKSTART), *TINY, *NO_VALIDATION])
+
+
+def test_model_arguments_given_with_a_checkpoint_file_win_over_its_hyperparameters(tmp_path):
+    """Lightning puts a checkpoint's hyperparameters over the parsed config (its issue #20801);
+    ada keeps the model arguments given on the command line, the checkpoint's for the rest."""
+    maze = REPO / "cli_configs" / "anca" / "maze.yaml"  # deformable: true, eval_steps: 20
+    common = ["-c", str(maze), "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+              "--data.init_args.size=5", "--data.init_args.train_mazes=4",
+              "--data.init_args.val_mazes=2", "--data.init_args.test_mazes=2"]  # fmt: skip
+    main(["fit", *common, "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+          '--trainer.callbacks=[{"class_path": "ModelCheckpoint", "init_args": {"dirpath": "'
+          + str(tmp_path / "fit") + '", "save_last": true, "save_top_k": 0}}]',
+          "--model.init_args.state_channels=4", "--model.init_args.hidden_channels=8",
+          "--model.init_args.deformable=false", "--model.init_args.steps=3",
+          "--model.init_args.min_steps=3", "--model.init_args.eval_steps=3",
+          f"--trainer.default_root_dir={tmp_path / 'fit'}"])  # fmt: skip
+    checkpoint = tmp_path / "fit" / "last.ckpt"
+    for extra, steps in (([], 3), (["--model.init_args.eval_steps=7"], 7),
+                         (["--model.eval_steps=9"], 9)):  # fmt: skip
+        root = tmp_path / f"steps_{steps}"
+        main(["test", *common, "--trainer.callbacks=[]", f"--ckpt_path={checkpoint}", *extra,
+              f"--trainer.default_root_dir={root}"])  # fmt: skip
+        used = yaml.safe_load((root / "config.yaml").read_text())["model"]["init_args"]
+        assert used["eval_steps"] == steps  # the command line's, else the checkpoint's
+        assert used["deformable"] is False and used["state_channels"] == 4  # the checkpoint's
