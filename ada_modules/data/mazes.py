@@ -19,16 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ada_modules.data._puzzle_args import check_rng, is_int
+from ada_modules.data._puzzle_args import check_maze_size, check_rng, is_int
 from ada_modules.errors import InputError
 
 __all__ = ["Maze", "generate_maze", "maze_solved", "maze_tensors", "shortest_path"]
-
-
-def _check_maze_size(name: str, value: object) -> int:
-    if not is_int(value) or value < 5 or value % 2 == 0:  # type: ignore[operator]
-        raise InputError(f"{name} must be an odd integer >= 5, got {value!r}")
-    return int(value)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,7 +142,7 @@ def generate_maze(size: int, rng: np.random.Generator) -> Maze:
         >>> int(maze.open.sum())  # 9 cells and the 8 walls of a spanning tree
         17
     """
-    size = _check_maze_size("size", size)
+    size = check_maze_size("size", size)
     rng = check_rng(rng)
     side = (size - 1) // 2
     cells = side * side

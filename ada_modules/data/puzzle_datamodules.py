@@ -19,10 +19,10 @@ import time
 import numpy as np
 from torch.utils.data import TensorDataset
 
-from ada_modules.data._puzzle_args import is_int
-from ada_modules.data.mazes import _check_maze_size, generate_maze, maze_tensors
+from ada_modules.data._puzzle_args import check_box, check_maze_size, is_int
+from ada_modules.data.mazes import generate_maze, maze_tensors
 from ada_modules.data.split_datamodule import SplitDataModule
-from ada_modules.data.sudoku import _UNIQUE_MIN_GIVENS, _check_box, generate_sudoku, sudoku_tensors
+from ada_modules.data.sudoku import UNIQUE_MIN_GIVENS, generate_sudoku, sudoku_tensors
 from ada_modules.errors import InputError
 
 __all__ = ["MazeDataModule", "SudokuDataModule"]
@@ -133,10 +133,8 @@ class MazeDataModule(_PuzzleDataModule):
     ) -> None:
         super().__init__(seed, batch_size, eval_batch_size, num_workers)
         self.save_hyperparameters()  # in checkpoints: the data a model was trained on
-        self.size = _check_maze_size("size", size)
-        self.eval_size = (
-            self.size if eval_size is None else _check_maze_size("eval_size", eval_size)
-        )
+        self.size = check_maze_size("size", size)
+        self.eval_size = self.size if eval_size is None else check_maze_size("eval_size", eval_size)
         self.counts = {
             "train": _check_count("train_mazes", train_mazes),
             "val": _check_count("val_mazes", val_mazes),
@@ -152,7 +150,7 @@ class MazeDataModule(_PuzzleDataModule):
 
 def _check_givens(name: str, value: object, box: int, unique: bool) -> tuple[int, int]:
     cells = box**4
-    low = _UNIQUE_MIN_GIVENS[box] if unique else 0
+    low = UNIQUE_MIN_GIVENS[box] if unique else 0
     if not isinstance(value, (tuple, list)) or len(value) != 2 or not all(is_int(v) for v in value):
         raise InputError(f"{name} must be a pair [lo, hi] of integers, got {value!r}")
     lo, hi = int(value[0]), int(value[1])
@@ -175,10 +173,12 @@ class SudokuDataModule(_PuzzleDataModule):
     ``(inputs, target)``: ``inputs`` float32 ``(n + 1, n, n)``, one-hot (channel 0 = blank,
     channel ``d`` = digit ``d``), and ``target`` int64 ``(n, n)``, the solution's digit minus 1.
     Each puzzle's number of givens is drawn uniformly from an inclusive range:
-    ``givens`` for training, ``eval_givens`` for validation and test. Training puzzles may have
-    several solutions (fast to generate; the target is one of them); validation and test puzzles
-    have exactly one when ``unique_eval``. Score predictions with
-    :func:`~ada_modules.data.sudoku.sudoku_solved`, which accepts any valid completion.
+    ``givens`` for training, ``eval_givens`` for validation and test. Training puzzles have
+    exactly one solution when ``unique_train`` (else the target is one of several valid
+    completions, and the cross-entropy penalises the others: at 36-45 givens more than half of
+    the puzzles are ambiguous), validation and test puzzles when ``unique_eval``. Score
+    predictions with :func:`~ada_modules.data.sudoku.sudoku_solved`, which accepts any valid
+    completion.
 
     Unique puzzles with fewer than about 24 givens (9x9) take many generation attempts, and
     below about 22 generation usually fails (``RuntimeError`` in :meth:`setup`).
@@ -191,6 +191,7 @@ class SudokuDataModule(_PuzzleDataModule):
         train_puzzles: Training puzzles.
         val_puzzles: Validation puzzles.
         test_puzzles: Test (and predict) puzzles.
+        unique_train: Whether training puzzles must have exactly one solution.
         unique_eval: Whether validation and test puzzles must have exactly one solution.
         seed: Seed of the data and of the training shuffle. ``None`` takes the seed of
             ``seed_everything`` (``PL_GLOBAL_SEED``; 0 when unset).
@@ -224,6 +225,7 @@ class SudokuDataModule(_PuzzleDataModule):
         train_puzzles: int = 4096,
         val_puzzles: int = 256,
         test_puzzles: int = 256,
+        unique_train: bool = True,
         unique_eval: bool = True,
         seed: int | None = None,
         batch_size: int = 32,
@@ -232,12 +234,13 @@ class SudokuDataModule(_PuzzleDataModule):
     ) -> None:
         super().__init__(seed, batch_size, eval_batch_size, num_workers)
         self.save_hyperparameters()  # in checkpoints: the data a model was trained on
-        box = _check_box(box, tuple(_UNIQUE_MIN_GIVENS))
-        if not isinstance(unique_eval, bool):
-            raise InputError(f"unique_eval must be a bool, got {unique_eval!r}")
+        box = check_box(box, tuple(UNIQUE_MIN_GIVENS))
+        for name, flag in (("unique_train", unique_train), ("unique_eval", unique_eval)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{name} must be a bool, got {flag!r}")
         self.box = int(box)
-        self.unique_eval = unique_eval
-        self.givens = _check_givens("givens", givens, self.box, unique=False)
+        self.unique_train, self.unique_eval = unique_train, unique_eval
+        self.givens = _check_givens("givens", givens, self.box, unique=unique_train)
         self.eval_givens = (
             self.givens
             if eval_givens is None
@@ -264,7 +267,7 @@ class SudokuDataModule(_PuzzleDataModule):
 
     def _make_split(self, split: str) -> TensorDataset:
         lo, hi = self.givens if split == "train" else self.eval_givens
-        unique = split != "train" and self.unique_eval
+        unique = self.unique_train if split == "train" else self.unique_eval
         rng = _split_rng(self.seed, _SUDOKU, split, self.box)
         counts = rng.integers(lo, hi + 1, size=self.counts[split]).tolist()
         pairs = [generate_sudoku(self.box, givens, rng, unique=unique) for givens in counts]

@@ -18,24 +18,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ada_modules.data._puzzle_args import check_rng, is_int
+from ada_modules.data._puzzle_args import check_box, check_rng, is_int
 from ada_modules.errors import InputError
 
-__all__ = ["count_solutions", "generate_sudoku", "solved_grid", "sudoku_solved", "sudoku_tensors"]
+__all__ = [
+    "UNIQUE_MIN_GIVENS",
+    "count_solutions",
+    "generate_sudoku",
+    "solved_grid",
+    "sudoku_solved",
+    "sudoku_tensors",
+]
 
-# Fewest givens a uniquely solvable puzzle can have, per box (17: McGuire et al. 2012).
-_UNIQUE_MIN_GIVENS = {2: 4, 3: 17}
+UNIQUE_MIN_GIVENS = {2: 4, 3: 17}
+"""Fewest givens a uniquely solvable puzzle can have, per box (17: McGuire et al. 2012)."""
 _MAX_COUNT_BOX = 4  # count_solutions recurses once per blank: sides up to 16 x 16
-
-
-def _check_box(value: object, allowed: Sequence[int]) -> int:
-    if not is_int(value) or value not in allowed:
-        raise InputError(f"box must be one of {', '.join(map(str, allowed))}, got {value!r}")
-    return int(value)  # type: ignore[arg-type]
-
-
-def _unique_min_givens(box: int) -> int:
-    return _UNIQUE_MIN_GIVENS[box]
 
 
 def solved_grid(box: int, rng: np.random.Generator) -> np.ndarray:
@@ -271,11 +268,11 @@ def generate_sudoku(
         >>> int((puzzle > 0).sum()), count_solutions(puzzle), bool((solution > 0).all())
         (30, 1, True)
     """
-    box = _check_box(box, (2, 3))
+    box = check_box(box, tuple(UNIQUE_MIN_GIVENS))
     n = box * box
     if not isinstance(unique, (bool, np.bool_)):
         raise InputError(f"unique must be a bool, got {unique!r}")
-    low = _unique_min_givens(box) if unique else 0
+    low = UNIQUE_MIN_GIVENS[box] if unique else 0
     if not is_int(givens) or not 0 <= givens <= n * n:
         raise InputError(f"givens must be an integer in [{low}, {n * n}], got {givens!r}")
     if givens < low:

@@ -9,7 +9,7 @@ from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.models.merge import MergeModule
 from ada_modules.models.moe import MoELMModule
-from ada_modules.models.nca_solver import MazeNCAModule, NCASolverModule, SudokuNCAModule
+from ada_modules.models.nca_solver import MazeNCAModule, SudokuNCAModule
 from ada_modules.models.on_policy import OnPolicyModule
 from ada_modules.models.operator_transformer import OperatorTransformerModule
 from ada_modules.models.reliability_study import ReliabilityStudyModule
@@ -21,7 +21,6 @@ __all__ = [
     "ImageClassifierModule",
     "MazeNCAModule",
     "MergeModule",
-    "NCASolverModule",
     "OnPolicyModule",
     "OperatorTransformerModule",
     "MoELMModule",

@@ -45,7 +45,8 @@ class NCASolverModule(LightningModule):
         deformable: aNCA's deformable perception; ``False``: the plain NCA.
         max_offset: Largest tap displacement, in cells.
         modulation: Modulated taps.
-        fire_rate: Probability that a cell updates at a step.
+        fire_rate: Probability that a cell updates at a step (also at evaluation: the rule is
+            stochastic when below 1; seed it for reproducible scores).
         backend: Deformable convolution backend (``"auto"``: torchvision on CUDA, grid_sample
             on CPU).
         steps: Most steps of a training forward pass.
@@ -89,7 +90,10 @@ class NCASolverModule(LightningModule):
             raise InputError(f"min_steps must be <= steps={steps}, got {min_steps!r}")
         if param_groups not in ("all", "geometry"):
             raise InputError(f"param_groups must be 'all' or 'geometry', got {param_groups!r}")
-        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        # a task subclass fixes in_channels and num_classes: not among its own arguments
+        self.save_hyperparameters(
+            ignore=["optimizer", "lr_scheduler", "in_channels", "num_classes"]
+        )
         self.nca = NeuralCellularAutomaton(
             in_channels,
             num_classes,
@@ -111,8 +115,12 @@ class NCASolverModule(LightningModule):
         return self.nca(inputs, self.eval_steps if steps is None else steps)
 
     def loss_mask(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """The cells that count in the loss and the cell accuracy (``None``: all of them)."""
+        """The cells that count in the loss (``None``: all of them)."""
         return None
+
+    def score_mask(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The cells that count in the cell accuracy (default: those of the loss)."""
+        return self.loss_mask(inputs)
 
     def predict(self, inputs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The per-cell answer ``(B, H, W)`` read from the logits."""
@@ -138,12 +146,22 @@ class NCASolverModule(LightningModule):
         inputs, target = batch[0], batch[1]
         prediction = self.predict(inputs, self(inputs))
         correct = (prediction == target).float()
-        mask = self.loss_mask(inputs)
+        mask = self.score_mask(inputs)
         cell_acc = correct.mean() if mask is None else (correct * mask).sum() / mask.sum()
         batch_size = inputs.shape[0]
         solved = self.solved(prediction, inputs, target).float().mean()
         self.log(f"{stage}/exact", solved, prog_bar=True, batch_size=batch_size)
         self.log(f"{stage}/cell_acc", cell_acc, batch_size=batch_size)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse the weights of the other perception: the error names both settings."""
+        saved = checkpoint.get("hyper_parameters", {})
+        for key in ("deformable", "modulation"):
+            if key in saved and saved[key] != self.hparams[key]:
+                raise InputError(
+                    f"the checkpoint was trained with {key}={saved[key]!r}, this model has "
+                    f"{key}={self.hparams[key]!r}; set model.init_args.{key} to match"
+                )
 
     def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
@@ -175,7 +193,8 @@ class MazeNCAModule(NCASolverModule):
 
     Batches as :class:`~ada_modules.data.MazeDataModule` gives them: inputs ``(B, 3, H, W)``
     (corridors, start, end), target ``(B, H, W)`` the path mask. A maze counts as solved when the
-    whole predicted mask equals the shortest path.
+    whole predicted mask equals the shortest path; the cell accuracy counts the corridor cells
+    (walls are never on the path).
 
     Args:
         kwargs: The arguments of :class:`NCASolverModule` but ``in_channels`` and
@@ -195,6 +214,9 @@ class MazeNCAModule(NCASolverModule):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(in_channels=3, num_classes=2, **kwargs)
+
+    def score_mask(self, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs[:, 0]
 
     def solved(
         self, prediction: torch.Tensor, inputs: torch.Tensor, target: torch.Tensor
@@ -223,7 +245,7 @@ class SudokuNCAModule(NCASolverModule):
     """
 
     def __init__(self, box: int = 3, **kwargs: Any) -> None:
-        if box not in (2, 3) or isinstance(box, bool):
+        if type(box) is not int or box not in (2, 3):
             raise InputError(f"box must be 2 or 3, got {box!r}")
         super().__init__(in_channels=box * box + 1, num_classes=box * box, **kwargs)
 

@@ -93,8 +93,26 @@ def test_bad_datamodule_arguments_are_named(cls, kwargs, name):
         cls(**kwargs)
 
 
-def test_non_unique_eval_allows_few_givens():
-    dm = SudokuDataModule(givens=(5, 10), unique_eval=False, seed=0, **_SUDOKU_SMALL)
+def test_non_unique_puzzles_allow_few_givens():
+    dm = SudokuDataModule(
+        givens=(5, 10), unique_train=False, unique_eval=False, seed=0, **_SUDOKU_SMALL
+    )
     dm.setup("validate")
     givens = _tensors(dm, "val")[0][:, 1:].sum(dim=(1, 2, 3))
     assert ((givens >= 5) & (givens <= 10)).all()
+
+
+def test_training_puzzles_are_unique_unless_asked_otherwise():
+    small = {**_SUDOKU_SMALL, "train_puzzles": 12}
+    for unique, expected in ((True, {1}), (False, None)):
+        dm = SudokuDataModule(box=2, givens=(4, 6), unique_train=unique, seed=0, **small)
+        dm.setup("fit")
+        inputs = _tensors(dm, "train")[0]
+        puzzles = (inputs.argmax(dim=1)).numpy()
+        counts = {count_solutions(p) for p in puzzles}
+        if expected is None:
+            assert max(counts) == 2  # some have several solutions
+        else:
+            assert counts == expected
+    with pytest.raises(InputError, match="givens must be >= 17"):
+        SudokuDataModule(box=3, givens=(10, 20), unique_eval=False)
