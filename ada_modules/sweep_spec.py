@@ -235,6 +235,13 @@ class SweepSpec:
             raise fail("'stages' must not include 'fit' when 'fits' are given")
 
         variants = _variants(data, stages, path.parent, fail)
+        if shared_fit is not None:
+            for variant in variants:
+                if variant.base is not None:
+                    raise fail(
+                        f"variant {variant.name!r} has its own 'base', but a shared 'fit' trains "
+                        "every variant's checkpoint on the spec's base; use named 'fits' instead"
+                    )
         seeds = _seeds(data.get("seeds", [0]), "seeds", fail)
         quick_seeds = None
         if "quick_seeds" in data:

@@ -1,17 +1,17 @@
 """aNCA on CPU: the regime of the puzzles, what deformable perception costs, what was learned.
 
 1. **Premise** (always): what the test puzzles ask of a rule that sees 3x3 per step. Mazes of
-   side 11, 15 and 21 (the sweep's train and test sides): the shortest path's length in cells
+   side 9, 13, 17 and 25 (the sweep's train and test sides): the shortest path's length in cells
    (mean, 95th percentile, max), the fraction of mazes whose path is longer than the steps the
-   rule gets (30 at side 11, in proportion to the side above), and the farthest cell from the
-   path's nearest end. 9x9 Sudoku with 36-45 givens: the fraction of blanks that are naked
+   rule gets (20 at side 9, in proportion to the side above), and how far the farthest corridor
+   cell is from the nearer end of the path. 9x9 Sudoku with 36-45 givens: the fraction of blanks that are naked
    singles (one candidate left from the row, column and box) and how many such rounds solve the
    puzzle; the fraction of a cell's 20 peers inside its 3x3 window.
 2. **Overhead** (always): parameters and forward+backward time of one training pass (batch 16,
-   11x11 mazes, 30 steps, one thread) of the plain NCA and aNCA with both deformable backends.
+   9x9 mazes, 20 steps, one thread) of the plain NCA and aNCA with both deformable backends.
 3. **Learned models** (``--sweep DIR``, a finished ``ada sweep cli_configs/anca/repro.yaml``):
    ``exact_by_side.png`` (test/exact against the maze side, mean ± std over seeds, per arm),
-   ``maze_steps.png`` (one 21x21 test maze: the seed-0 models' path probability after
+   ``maze_steps.png`` (one 17x17 test maze: the seed-0 models' path probability after
    increasing numbers of steps) and the learned offsets of the seed-0 aNCA models (mean tap
    displacement in cells on test puzzles).
 
@@ -43,8 +43,8 @@ from ada_modules.nn.anca import NeuralCellularAutomaton
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-SIDES = (11, 15, 21)
-TRAIN_STEPS = 30  # at side 11; the sweep scales the test steps with the side
+SIDES = (9, 13, 17, 25)  # the sides of cli_configs/anca/repro.yaml; it trains on the first
+TRAIN_STEPS = 20  # at side 9; the sweep scales the test steps with the side
 
 
 def _distances(open_cells: np.ndarray, source: tuple[int, int]) -> np.ndarray:
@@ -65,7 +65,7 @@ def maze_regime(count: int) -> list[dict]:
     rows = []
     for side in SIDES:
         rng = np.random.default_rng([0, side])
-        steps = round(TRAIN_STEPS * side / 11)
+        steps = round(TRAIN_STEPS * side / SIDES[0])
         lengths, reach = [], []
         for _ in range(count):
             maze = generate_maze(side, rng)
@@ -160,7 +160,7 @@ def _pass_time(nca: NeuralCellularAutomaton, inputs: torch.Tensor, rounds: int) 
 
 def overhead(rounds: int) -> list[dict]:
     torch.manual_seed(0)
-    inputs = maze_tensors([generate_maze(11, np.random.default_rng(i)) for i in range(16)])[0]
+    inputs = maze_tensors([generate_maze(SIDES[0], np.random.default_rng(i)) for i in range(16)])[0]
     arms = {
         "plain NCA": {"deformable": False},
         "aNCA (grid_sample)": {"backend": "grid_sample"},
@@ -208,17 +208,21 @@ def learned(sweep: Path, out: Path) -> dict:
     for record in records:
         if record["status"] == "ok":
             by_variant.setdefault(record["variant"], []).append(record["metrics"]["test/exact"])
+    missing = [
+        f"maze_{arm}_{side}"
+        for arm in ("nca", "anca")
+        for side in SIDES
+        if f"maze_{arm}_{side}" not in by_variant
+    ]
+    if missing:
+        raise SystemExit(f"{sweep} has no successful run of {', '.join(missing)}")
     fig, ax = plt.subplots(figsize=(5, 3.2))
     for arm, label in (("nca", "plain NCA"), ("anca", "aNCA")):
-        means = [statistics.mean(by_variant.get(f"maze_{arm}_{s}", [float("nan")])) for s in SIDES]
-        stds = [
-            statistics.pstdev(by_variant[f"maze_{arm}_{s}"])
-            if f"maze_{arm}_{s}" in by_variant
-            else 0
-            for s in SIDES
-        ]
+        runs = [by_variant[f"maze_{arm}_{side}"] for side in SIDES]
+        means = [statistics.mean(values) for values in runs]
+        stds = [statistics.pstdev(values) for values in runs]
         ax.errorbar(SIDES, means, yerr=stds, marker="o", capsize=3, label=label)
-    ax.set_xlabel("maze side (trained on 11)")
+    ax.set_xlabel(f"maze side (trained on {SIDES[0]}; steps in proportion)")
     ax.set_ylabel("test/exact (whole path right)")
     ax.set_xticks(SIDES)
     ax.set_ylim(-0.02, 1.02)
@@ -228,9 +232,9 @@ def learned(sweep: Path, out: Path) -> dict:
     plt.close(fig)
 
     models = {arm: _load(sweep, f"maze_{arm}", MazeNCAModule) for arm in ("nca", "anca")}
-    maze = generate_maze(21, np.random.default_rng([7, 21]))
+    maze = generate_maze(SIDES[2], np.random.default_rng([7, SIDES[2]]))
     inputs, target = maze_tensors([maze])
-    shown = (5, 15, 30, 45, 57)
+    shown = (5, 10, 20, 38, 76)  # 38: the sweep's steps at side 17, 76: twice that
     fig, axes = plt.subplots(2, len(shown) + 1, figsize=(2.1 * (len(shown) + 1), 4.4))
     for row, (arm, module) in enumerate(models.items()):
         torch.manual_seed(0)
@@ -251,7 +255,9 @@ def learned(sweep: Path, out: Path) -> dict:
     plt.close(fig)
 
     report = {"exact_by_variant": {k: statistics.mean(v) for k, v in by_variant.items()}}
-    test = maze_tensors([generate_maze(21, np.random.default_rng([8, i])) for i in range(32)])[0]
+    test = maze_tensors(
+        [generate_maze(SIDES[2], np.random.default_rng([8, i])) for i in range(32)]
+    )[0]
     report["maze_anca_offset_cells"] = _offset_magnitude(models["anca"], test)
     sudoku = _load(sweep, "sudoku_anca", SudokuNCAModule)
     rng = np.random.default_rng(9)
@@ -285,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print("## Premise: mazes\n\n" + _table(report["maze_regime"]) + "\n")
     print("## Premise: Sudoku\n\n" + _table([report["sudoku_regime"]]) + "\n")
-    print("## Overhead (batch 16, 11x11, 30 steps, one thread)\n\n" + _table(report["overhead"]))
+    print("## Overhead (batch 16, 9x9, 20 steps, one thread)\n\n" + _table(report["overhead"]))
     if args.sweep is not None:
         report["learned"] = learned(args.sweep, args.out)
         print("\n## Learned\n\n" + json.dumps(report["learned"], indent=2))

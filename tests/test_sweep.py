@@ -987,3 +987,11 @@ def test_a_variant_base_that_does_not_exist(tmp_path):
         SweepSpec.from_yaml(spec)
     missing = tmp_path / "nope.yaml"
     assert str(error.value) == f"{spec.resolve()}: base config of variant 'a' not found: {missing}"
+
+
+def test_a_variant_base_needs_named_fits_not_a_shared_fit(tmp_path):
+    other = tmp_path / "other.yaml"
+    other.write_text(BASE.read_text(encoding="utf-8"), encoding="utf-8")
+    spec = write_spec(tmp_path, "fit: {}\nvariants: [{name: a, base: other.yaml}]\n")
+    with pytest.raises(SweepSpecError, match="variant 'a' has its own 'base', but a shared 'fit'"):
+        SweepSpec.from_yaml(spec)

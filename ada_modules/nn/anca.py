@@ -64,6 +64,12 @@ def deform_conv2d_reference(
         raise InputError(
             f"offset must have shape {(batch, 2 * taps, out_h, out_w)}, got {tuple(offset.shape)}"
         )
+    if mask is not None and mask.shape != (batch, taps, out_h, out_w):
+        raise InputError(
+            f"mask must have shape {(batch, taps, out_h, out_w)}, got {tuple(mask.shape)}"
+        )
+    if bias is not None and bias.shape != (out_channels,):
+        raise InputError(f"bias must have shape ({out_channels},), got {tuple(bias.shape)}")
     rows = torch.arange(out_h, dtype=inputs.dtype, device=inputs.device).view(-1, 1)
     cols = torch.arange(out_w, dtype=inputs.dtype, device=inputs.device).view(1, -1)
     offset = offset.view(batch, taps, 2, out_h, out_w)
@@ -91,7 +97,8 @@ class DeformablePerception(nn.Module):
     Args:
         in_channels: Channels perceived.
         out_channels: Channels of the perception.
-        max_offset: Largest displacement of a tap, in cells (offsets are ``max_offset * tanh``).
+        max_offset: Largest displacement of a tap along each axis, in cells (offsets are
+            ``max_offset * tanh``).
         modulation: Scale every tap by ``2 * sigmoid`` of a predicted logit (DCNv2); 1 at init.
         deformable: ``False`` gives the plain 3x3 convolution (no offset or modulation layers).
         backend: ``"torchvision"`` (:func:`torchvision.ops.deform_conv2d`), ``"grid_sample"``
@@ -168,9 +175,10 @@ class NeuralCellularAutomaton(nn.Module):
         state_channels: Hidden state channels of a cell.
         hidden_channels: Channels of the perception and of the update MLP.
         deformable: Deformable perception (aNCA); ``False`` is the plain NCA.
-        max_offset: Largest tap displacement, in cells.
+        max_offset: Largest tap displacement along each axis, in cells.
         modulation: Modulated (DCNv2) taps.
-        fire_rate: Probability that a cell updates at a step (1: every cell, every step).
+        fire_rate: Probability that a cell updates at a step (1: every cell, every step); also
+            at evaluation, so a rule with ``fire_rate < 1`` is stochastic there too.
         backend: Deformable convolution backend, see :class:`DeformablePerception`.
 
     Raises:

@@ -135,3 +135,11 @@ def test_bad_forward_input():
         nca(torch.zeros(1, 4, 5, 5), steps=2)
     with pytest.raises(InputError, match="steps must be an integer >= 1, got 0"):
         nca(torch.zeros(1, 3, 5, 5), steps=0)
+
+
+def test_reference_names_a_mask_or_bias_of_the_wrong_shape():
+    x, weight, offset = torch.zeros(1, 2, 4, 4), torch.zeros(3, 2, 3, 3), torch.zeros(1, 18, 4, 4)
+    with pytest.raises(InputError, match=r"mask must have shape \(1, 9, 4, 4\), got \(1, 9, 4\)"):
+        deform_conv2d_reference(x, offset, weight, mask=torch.zeros(1, 9, 4), padding=1)
+    with pytest.raises(InputError, match=r"bias must have shape \(3,\), got \(2,\)"):
+        deform_conv2d_reference(x, offset, weight, bias=torch.zeros(2), padding=1)
