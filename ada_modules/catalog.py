@@ -102,7 +102,8 @@ TECHNIQUES: tuple[Technique, ...] = (
        "Retry, voting and critique as channel-coding operators, with a cost-aware router.",
        status="implemented", issue=25),
     _T("aNCA", "anca", "nn.Module (NCA cell) + LightningModule",
-       "Neural cellular automaton with deformable perception for grid reasoning tasks."),
+       "Neural cellular automaton with deformable perception for grid reasoning tasks.",
+       status="implemented", issue=26),
 )  # fmt: skip
 """All seventeen techniques, in the order of the abstracts."""
 
