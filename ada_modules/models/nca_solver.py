@@ -11,8 +11,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from ada_modules.data.mazes import maze_solved
-from ada_modules.data.sudoku import sudoku_solved
+from ada_modules.data.sudoku import sudoku_answer, sudoku_solved
 from ada_modules.errors import InputError
+from ada_modules.models._checkpoint import check_checkpoint_hparams
 from ada_modules.nn.anca import Backend, NeuralCellularAutomaton
 from ada_modules.optim.param_groups import geometry_param_groups
 
@@ -155,13 +156,7 @@ class NCASolverModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse the weights of the other perception: the error names both settings."""
-        saved = checkpoint.get("hyper_parameters", {})
-        for key in ("deformable", "modulation"):
-            if key in saved and saved[key] != self.hparams[key]:
-                raise InputError(
-                    f"the checkpoint was trained with {key}={saved[key]!r}, this model has "
-                    f"{key}={self.hparams[key]!r}; set model.init_args.{key} to match"
-                )
+        check_checkpoint_hparams(checkpoint, self.hparams, ("deformable", "modulation"))
 
     def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
         self._evaluate(batch, "val")
@@ -253,8 +248,7 @@ class SudokuNCAModule(NCASolverModule):
         return inputs[:, 0]
 
     def predict(self, inputs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        givens = inputs.argmax(dim=1)  # 0 for blanks, else the digit
-        return torch.where(givens > 0, givens - 1, logits.argmax(dim=1))
+        return sudoku_answer(inputs, logits)
 
     def solved(
         self, prediction: torch.Tensor, inputs: torch.Tensor, target: torch.Tensor

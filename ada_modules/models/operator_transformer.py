@@ -13,6 +13,7 @@ from torchmetrics import MeanMetric
 
 from ada_modules.data.pde import PDE_FAMILIES
 from ada_modules.errors import InputError
+from ada_modules.models._checkpoint import check_checkpoint_hparams
 from ada_modules.nn.operator_transformer import OperatorTransformer, Residual
 from ada_modules.optim.param_groups import check_param_coverage
 
@@ -234,13 +235,7 @@ class OperatorTransformerModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse weights of another residual type: hyper and mhc checkpoints have the same keys."""
-        saved = checkpoint.get("hyper_parameters", {})
-        for key in ("residual", "streams"):
-            if key in saved and saved[key] != self.hparams[key]:
-                raise InputError(
-                    f"the checkpoint was trained with {key}={saved[key]!r}, this model has "
-                    f"{key}={self.hparams[key]!r}; set model.init_args.{key} to match"
-                )
+        check_checkpoint_hparams(checkpoint, self.hparams, ("residual", "streams"))
 
     def predict_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The rolled-out frames of each window (as many as it has after ``history``)."""

@@ -104,6 +104,7 @@ def test_sudoku_module_fits_the_sudoku_data():
     trainer = _trainer(3)
     trainer.fit(module, datamodule=data)
     (metrics,) = trainer.test(module, datamodule=data, verbose=False)
+    assert set(metrics) == {"test/exact", "test/cell_acc"}
     assert 0.0 <= metrics["test/exact"] <= 1.0
 
 
@@ -125,3 +126,12 @@ def test_inputs_of_the_wrong_task_are_refused():
     module = SudokuNCAModule(box=3, steps=2, **TINY)
     with pytest.raises(InputError, match=r"inputs must have shape \(batch, 10, height, width\)"):
         module(torch.zeros(1, 3, 9, 9))
+
+
+def test_a_checkpoint_of_the_other_perception_is_refused_by_name():
+    anca = MazeNCAModule(steps=2, **TINY)
+    plain = MazeNCAModule(steps=2, deformable=False, **TINY)
+    checkpoint = {"hyper_parameters": dict(anca.hparams), "state_dict": anca.state_dict()}
+    with pytest.raises(InputError, match="trained with deformable=True, this model has deformable"):
+        plain.on_load_checkpoint(checkpoint)
+    anca.on_load_checkpoint(checkpoint)  # the same perception loads
