@@ -64,6 +64,7 @@ from ada_modules.data.sudoku import (
     count_solutions,
     generate_sudoku,
     solved_grid,
+    sudoku_answer,
     sudoku_solved,
     sudoku_tensors,
 )
@@ -119,6 +120,7 @@ __all__ = [
     "shortest_path",
     "solve_pde",
     "solved_grid",
+    "sudoku_answer",
     "sudoku_solved",
     "sudoku_tensors",
 ]

@@ -238,17 +238,13 @@ class SudokuDataModule(_PuzzleDataModule):
         for name, flag in (("unique_train", unique_train), ("unique_eval", unique_eval)):
             if not isinstance(flag, bool):
                 raise InputError(f"{name} must be a bool, got {flag!r}")
-        self.box = int(box)
+        self.box = box
         self.unique_train, self.unique_eval = unique_train, unique_eval
-        self.givens = _check_givens("givens", givens, self.box, unique=unique_train)
-        self.eval_givens = (
-            self.givens
-            if eval_givens is None
-            else _check_givens("eval_givens", eval_givens, self.box, unique=False)
+        self.givens = _check_givens("givens", givens, box, unique=unique_train)
+        eval_name, eval_value = (
+            ("givens", givens) if eval_givens is None else ("eval_givens", eval_givens)
         )
-        if unique_eval:
-            name = "givens" if eval_givens is None else "eval_givens"
-            _check_givens(name, self.eval_givens, self.box, unique=True)
+        self.eval_givens = _check_givens(eval_name, eval_value, box, unique=unique_eval)
         self.counts = {
             "train": _check_count("train_puzzles", train_puzzles),
             "val": _check_count("val_puzzles", val_puzzles),

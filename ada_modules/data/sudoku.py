@@ -24,6 +24,7 @@ from ada_modules.errors import InputError
 __all__ = [
     "UNIQUE_MIN_GIVENS",
     "count_solutions",
+    "sudoku_answer",
     "generate_sudoku",
     "solved_grid",
     "sudoku_solved",
@@ -359,6 +360,21 @@ def sudoku_tensors(
     n = puzzle.shape[1]
     inputs = F.one_hot(torch.from_numpy(puzzle), n + 1).permute(0, 3, 1, 2).float().contiguous()
     return inputs, torch.from_numpy(solution - 1)
+
+
+def sudoku_answer(inputs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """A model's answer ``(B, n, n)``, digits minus 1: the givens of the one-hot ``inputs`` kept,
+    the argmax of ``logits`` ``(B, n, n, n)`` on the blanks.
+
+    Examples:
+        >>> solution = np.array([[[1, 2, 3, 4], [3, 4, 1, 2], [2, 1, 4, 3], [4, 3, 2, 1]]])
+        >>> puzzle = solution * (np.arange(4) == 0)[:, None]  # the first row given
+        >>> inputs, _ = sudoku_tensors(puzzle, solution)
+        >>> sudoku_answer(inputs, torch.zeros(1, 4, 4, 4))[0, :2].tolist()  # blanks: argmax 0
+        [[0, 1, 2, 3], [0, 0, 0, 0]]
+    """
+    givens = inputs.argmax(dim=1)  # 0 for blanks, else the digit
+    return torch.where(givens > 0, givens - 1, logits.argmax(dim=1))
 
 
 def sudoku_solved(board: torch.Tensor, givens: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,10 @@ in float64):
    Then exact match (:func:`~ada_modules.data.mazes.maze_solved`) and cell accuracy on 256 test
    mazes of sides 15, 33 and 59 with ``2.7 side`` steps (40, 89, 159), and on side 59 with 4x
    that (636 steps) if the time guard allows.
-3. ``sudoku``: the same two arms on 9x9 Sudoku with 28-35 givens (16384 training puzzles,
-   ``unique=False``; 256 unique test puzzles), steps drawn from [15, 20], cross-entropy on the
-   blanks, ``--sudoku-seconds`` (60) seconds each. The answer keeps the givens (as
-   :meth:`~ada_modules.models.SudokuNCAModule.predict`); reported: solved fraction
+3. ``sudoku``: the same two arms on 9x9 Sudoku with 28-35 givens (8192 unique training puzzles,
+   about 2 ms each to generate; 256 unique test puzzles), steps drawn from [15, 20],
+   cross-entropy on the blanks, ``--sudoku-seconds`` (60) seconds each. The answer keeps the
+   givens (:func:`~ada_modules.data.sudoku.sudoku_answer`); reported: solved fraction
    (:func:`~ada_modules.data.sudoku.sudoku_solved`) and blank-cell accuracy at 20 steps (and 40).
 
 Training columns: steps done, training seconds, ms per step, final loss (mean of the last 50
@@ -76,7 +76,7 @@ from _common import (  # bench/gpu/_common.py
 from torch import nn
 
 from ada_modules.data.mazes import generate_maze, maze_solved, maze_tensors
-from ada_modules.data.sudoku import generate_sudoku, sudoku_solved, sudoku_tensors
+from ada_modules.data.sudoku import generate_sudoku, sudoku_answer, sudoku_solved, sudoku_tensors
 from ada_modules.nn.anca import (
     DeformablePerception,
     NeuralCellularAutomaton,
@@ -113,7 +113,7 @@ class Sizes:
 FULL = Sizes(
     speed_batch=64, speed_grids=(32, 64), check_batch=8, state=64, hidden=128, batch=64,
     eval_batch=128, maze_side=15, maze_train=8192, maze_test=256, maze_sides=(15, 33, 59), box=3,
-    givens=(28, 35), sudoku_train=16384, sudoku_test=256, sudoku_steps=(15, 20), calibration=10,
+    givens=(28, 35), sudoku_train=8192, sudoku_test=256, sudoku_steps=(15, 20), calibration=10,
 )  # fmt: skip
 QUICK = Sizes(
     speed_batch=2, speed_grids=(8, 12), check_batch=2, state=8, hidden=16, batch=8,
@@ -424,6 +424,37 @@ def arm_seconds(guard: Guard, want: float, reserve_s: float, arms: int = len(ARM
     return max(0.0, min(want, left / arms))
 
 
+def train_arms(
+    task: Task,
+    models: dict[str, NeuralCellularAutomaton],
+    sizes: Sizes,
+    args: argparse.Namespace,
+    want_s: float,
+    reserve_s: float,
+    device: torch.device,
+    guard: Guard,
+    results: list[dict[str, Any]],
+) -> list[dict[str, Any]] | None:
+    """Check that both arms start equal, then train each for the same time (``None``: no time)."""
+    high = task.steps[1]
+    gap = identity_gap(models, task.inputs[:8], high)
+    print(f"identity at init (aNCA vs NCA, {high} steps): max |diff| = {gap:.2e}")
+    results.append({"section": task.name, "check": "identity_at_init", "max_abs_diff": gap,
+                    "ok": gap <= CHECK_TOL})  # fmt: skip
+    seconds = arm_seconds(guard, want_s, reserve_s)
+    if seconds < min(5.0, want_s):  # the guard left too little
+        guard.skipped.append(f"{task.name} training (no time left)")
+        print(f"[time guard] no time left to train on {task.name}")
+        return None
+    records = [
+        train_arm(arm, models[arm], task, sizes, seconds, args.max_steps, device, args.seed)
+        for arm in ARMS
+    ]
+    print(f"\ntraining, {seconds:.1f} s per arm (at most {args.max_steps} steps)\n")
+    print_training(records)
+    return records
+
+
 def print_training(records: list[dict[str, Any]]) -> None:
     rows = []
     for r in records:
@@ -468,22 +499,13 @@ def run_maze(
     )
     task = Task("maze", train_x.to(device), train_y.to(device), (low, high), blanks_only=False)
     models = build_arms(3, 2, sizes, args.backend, device, args.seed)
-    gap = identity_gap(models, task.inputs[:8], high)
-    print(f"identity at init (aNCA vs NCA, {high} steps): max |diff| = {gap:.2e}")
-    results.append({"section": "maze", "check": "identity_at_init", "max_abs_diff": gap,
-                    "ok": gap <= CHECK_TOL})  # fmt: skip
     eval_reserve = 30.0 if device.type == "cuda" else 5.0
-    seconds = arm_seconds(guard, args.maze_seconds, reserve_s + eval_reserve)
-    if seconds < min(5.0, args.maze_seconds):  # the guard left too little
-        guard.skipped.append("maze training (no time left)")
-        print("[time guard] no time left to train on mazes")
+    records = train_arms(
+        task, models, sizes, args, args.maze_seconds, reserve_s + eval_reserve, device,
+        guard, results,
+    )  # fmt: skip
+    if records is None:
         return
-    records = [
-        train_arm(arm, models[arm], task, sizes, seconds, args.max_steps, device, args.seed)
-        for arm in ARMS
-    ]
-    print(f"\ntraining, {seconds:.1f} s per arm (at most {args.max_steps} steps)\n")
-    print_training(records)
 
     evals: list[tuple[int, int]] = [(s, int(2.7 * s)) for s in sizes.maze_sides]
     columns = []
@@ -533,12 +555,6 @@ def sudoku_set(
     return sudoku_tensors([p for p, _ in pairs], [s for _, s in pairs])
 
 
-def sudoku_predict(inputs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Digits minus 1: the givens kept, the argmax elsewhere (as SudokuNCAModule.predict)."""
-    givens = inputs.argmax(dim=1)
-    return torch.where(givens > 0, givens - 1, logits.argmax(dim=1))
-
-
 def run_sudoku(
     sizes: Sizes,
     args: argparse.Namespace,
@@ -554,29 +570,21 @@ def run_sudoku(
         f"{high}], batch {sizes.batch}\n"
     )
     start = time.perf_counter()
-    train_x, train_y = sudoku_set(sizes.box, sizes.givens, sizes.sudoku_train, False, args.seed)
+    # unique puzzles: with several solutions the cross-entropy would mark valid answers wrong
+    train_x, train_y = sudoku_set(sizes.box, sizes.givens, sizes.sudoku_train, True, args.seed)
     test_x, test_y = sudoku_set(sizes.box, sizes.givens, sizes.sudoku_test, True, args.seed + 1)
     print(
-        f"data: {sizes.sudoku_train} training puzzles (unique=False), {sizes.sudoku_test} unique "
+        f"data: {sizes.sudoku_train} unique training puzzles, {sizes.sudoku_test} unique "
         f"test puzzles ({time.perf_counter() - start:.1f} s)"
     )
     task = Task("sudoku", train_x.to(device), train_y.to(device), (low, high), blanks_only=True)
     models = build_arms(n + 1, n, sizes, args.backend, device, args.seed)
-    gap = identity_gap(models, task.inputs[:8], high)
-    print(f"identity at init (aNCA vs NCA, {high} steps): max |diff| = {gap:.2e}")
-    results.append({"section": "sudoku", "check": "identity_at_init", "max_abs_diff": gap,
-                    "ok": gap <= CHECK_TOL})  # fmt: skip
-    seconds = arm_seconds(guard, args.sudoku_seconds, reserve_s + 10)
-    if seconds < min(5.0, args.sudoku_seconds):  # the guard left too little
-        guard.skipped.append("sudoku training (no time left)")
-        print("[time guard] no time left to train on Sudoku")
+    records = train_arms(
+        task, models, sizes, args, args.sudoku_seconds, reserve_s + 10, device, guard,
+        results,
+    )  # fmt: skip
+    if records is None:
         return
-    records = [
-        train_arm(arm, models[arm], task, sizes, seconds, args.max_steps, device, args.seed)
-        for arm in ARMS
-    ]
-    print(f"\ntraining, {seconds:.1f} s per arm (at most {args.max_steps} steps)\n")
-    print_training(records)
 
     inputs, target = test_x.to(device), test_y.to(device)
     blanks = inputs[:, 0]
@@ -584,7 +592,7 @@ def run_sudoku(
     for steps in (high, 2 * high):
         for record, arm in zip(records, ARMS, strict=True):
             logits = logits_in_chunks(models[arm], inputs, steps, sizes.eval_batch)
-            prediction = sudoku_predict(inputs, logits)
+            prediction = sudoku_answer(inputs, logits)
             solved = sudoku_solved(prediction + 1, inputs.argmax(dim=1))
             correct = ((prediction == target).float() * blanks).sum() / blanks.sum()
             record.setdefault("eval", []).append({
