@@ -218,11 +218,8 @@ class NeuralCellularAutomaton(nn.Module):
             raise InputError(f"fire_rate must be a number in (0, 1], got {fire_rate!r}")
         if not 0 < fire_rate <= 1:
             raise InputError(f"fire_rate must be a number in (0, 1], got {fire_rate!r}")
-        self.in_channels, self.state_channels, self.fire_rate = (
-            in_channels,
-            state_channels,
-            float(fire_rate),
-        )
+        self.in_channels, self.state_channels = in_channels, state_channels
+        self.fire_rate = float(fire_rate)
         self.perception = DeformablePerception(
             state_channels + in_channels,
             hidden_channels,
