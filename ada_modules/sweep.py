@@ -70,7 +70,7 @@ before that seed's variants, e.g. a base model and then specialists fine-tuned f
             - class_path: ada_modules.callbacks.LoadWeights
               init_args: {path: "{fit_dir:base}/checkpoints/last.ckpt"}
         quick: {trainer.max_epochs: 2}  # optional: after the spec's `quick`, with --quick
-    stages: [test]                   # the variants' stages (default [test]; `fit` not allowed)
+    stages: [test]                   # the variants' stages (default [test]; [fit, ...] fine-tunes)
     variants:
       - name: ta                     # names the checkpoints it loads: no --ckpt_path is added
         base: train_base.yaml        # optional, as for a fit: its own config file(s)
@@ -80,7 +80,9 @@ Each fit is an ``ada fit`` call like the shared fit's, with the spec's ``overrid
 (with ``--quick``) the spec's ``quick`` and its own. A fit starts after the fits before it of its
 seed succeeded, the variant runs of a seed after all its fits; if a fit fails, the later fits and
 the variant runs of that seed fail without running, naming it. Changing a fit reruns it, the later
-fits of its seed and their variant runs.
+fits of its seed and their variant runs. With ``fit`` among the ``stages``, every variant trains
+too, starting where its overrides say (e.g. a ``LoadWeights`` callback on a fit's checkpoint: one
+shared warm start, then each arm's own training), and its later stages use its own checkpoint.
 
 Folders in values: inside any string override value, ``{run_dir}`` stands for the run's own folder
 and ``{fit_dir}`` for the folder of the same seed's shared fit, e.g. to write a file from a callback

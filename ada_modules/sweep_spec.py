@@ -231,8 +231,6 @@ class SweepSpec:
             raise fail("'fit' must be the first of 'stages' (later stages use its checkpoint)")
         if shared_fit is not None and "fit" in stages:
             raise fail("'stages' must not include 'fit' when a shared 'fit' stage is given")
-        if fits is not None and "fit" in stages:
-            raise fail("'stages' must not include 'fit' when 'fits' are given")
 
         variants = _variants(data, stages, path.parent, fail)
         if shared_fit is not None:

@@ -739,7 +739,6 @@ def started(events) -> list[str]:
         ("fits: [{name: a/b}]\n", "fits[0]: 'name' must be a plain file name, got 'a/b'"),
         ("fits: [{name: a, overide: {}}]\n", "unknown key 'overide' in fit 'a'"),
         ("fits: [{name: a, quick: [1]}]\n", "'fits[0].quick' must be a mapping"),
-        ("fits: [{name: a}]\nstages: [fit, test]\n", "must not include 'fit' when 'fits'"),
         (
             "fits: [{name: a}, {name: b}]\nvariants: [{name: v, overrides: {x: '{fit_dir:c}/m'}}]\n",
             "variant 'v': unknown fit 'c' in '{fit_dir:c}'; fits: a, b",
@@ -781,6 +780,19 @@ def test_a_fit_base_that_does_not_exist(tmp_path):
         SweepSpec.from_yaml(spec)
     missing = tmp_path / "nope.yaml"
     assert str(error.value) == f"{spec.resolve()}: base config of fit 'b' not found: {missing}"
+
+
+def test_fits_variants_may_fine_tune_from_a_fit(tmp_path):
+    text = "fits: [{name: a}]\nstages: [fit, test]\n"
+    text += "variants: [{name: v, overrides: {w: '{fit_dir:a}/checkpoints/last.ckpt'}}]\n"
+    out = tmp_path / "out"
+    fits, runs = sweep._plan(SweepSpec.from_yaml(write_spec(tmp_path, text)), out, quick=False)
+    (run,) = runs
+    (fit_stage, fit_args), (test_stage, test_args) = run.calls
+    assert (fit_stage, test_stage) == ("fit", "test")
+    assert f"--w={fits[0].run_dir}/checkpoints/last.ckpt" in fit_args
+    assert not any(a.startswith("--ckpt_path") for a in fit_args)
+    assert f"--ckpt_path={run.run_dir}/checkpoints/last.ckpt" in test_args
 
 
 def test_fits_spec_defaults():
