@@ -535,28 +535,50 @@ class OnPolicyModule(LightningModule):
         )
 
     def _demonstrations(self, env: TextEnv, task_seeds: list[int]) -> Rollout:
-        tokens, actions, rewards, success, responses = [], [], [], [], []
-        for seed in task_seeds:
-            for k in range(self.sft_demos_per_task):
-                rng = random.Random(seed * 1_000_003 + k)
-                transcript: Transcript = env.demonstrate(seed, rng)
-                seq = [self.tokenizer.bos_id]
-                act = [0]
-                for t, action in enumerate(transcript.actions):
-                    observation = self._encode_observation(env, transcript.observations[t], seed)
-                    seq += observation
-                    act += [0] * len(observation)
-                    response = self.tokenizer.encode(action)
-                    if len(response) < env.max_action_tokens:
-                        response.append(self.tokenizer.eos_id)
-                    seq += response
-                    act += [1] * len(response)
-                tokens.append(seq)
-                actions.append(act)
-                rewards.append(transcript.reward)
-                success.append(float(transcript.success))
-                responses.append(len(transcript.actions))
-        return self._pack(tokens, actions, rewards, success, responses)
+        demos = [
+            self.demonstration(env, seed, random.Random(seed * 1_000_003 + k))
+            for seed in task_seeds
+            for k in range(self.sft_demos_per_task)
+        ]
+        tokens = [self._transcript_tokens(env, seed, t) for seed, t, _ in demos]
+        prefixes = [prefix for _, _, prefix in demos]
+        return self._pack(
+            [
+                [self.tokenizer.bos_id, *p, *seq]
+                for p, (seq, _) in zip(prefixes, tokens, strict=True)
+            ],
+            [[0] * (1 + len(p)) + act for p, (_, act) in zip(prefixes, tokens, strict=True)],
+            [t.reward for _, t, _ in demos],
+            [float(t.success) for _, t, _ in demos],
+            [len(t.actions) for _, t, _ in demos],
+        )
+
+    def demonstration(
+        self, env: TextEnv, seed: int, rng: random.Random
+    ) -> tuple[int, Transcript, list[int]]:
+        """One warm-start example: the task seed, a transcript and context tokens put before it.
+
+        Here the environment's scripted demonstrator with no context; a subclass may show some
+        examples with a privileged context (see :class:`~ada_modules.models.SelfDistillationModule`).
+        """
+        return seed, env.demonstrate(seed, rng), []
+
+    def _transcript_tokens(
+        self, env: TextEnv, seed: int, transcript: Transcript
+    ) -> tuple[list[int], list[int]]:
+        """Tokens of a transcript (observations, then responses ended by ``<eos>``) and action mask."""
+        seq: list[int] = []
+        act: list[int] = []
+        for t, action in enumerate(transcript.actions):
+            observation = self._encode_observation(env, transcript.observations[t], seed)
+            seq += observation
+            act += [0] * len(observation)
+            response = self.tokenizer.encode(action)
+            if len(response) < env.max_action_tokens:
+                response.append(self.tokenizer.eos_id)
+            seq += response
+            act += [1] * len(response)
+        return seq, act
 
     # ------------------------------------------------------------------ losses
 
@@ -587,7 +609,7 @@ class OnPolicyModule(LightningModule):
         Args:
             logp: Current log-probabilities of the sampled tokens, ``(n, seq)``.
             old_logp: Their log-probabilities under the sampling policy, ``(n, seq)``.
-            advantages: One advantage per episode, ``(n,)``.
+            advantages: One advantage per episode, ``(n,)``, or per token, ``(n, seq)``.
             mask: 1 on response tokens, ``(n, seq)``.
             ref_logp: Log-probabilities under the reference policy (for the KL term).
 
@@ -602,13 +624,13 @@ class OnPolicyModule(LightningModule):
                 "logp, old_logp and mask must have the same shape, got "
                 f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
             )
-        if advantages.shape != logp.shape[:1]:
+        if advantages.shape not in (logp.shape[:1], logp.shape):
             raise InputError(
-                f"advantages must have shape ({logp.shape[0]},) (one per sequence), got "
-                f"{tuple(advantages.shape)}"
+                f"advantages must have shape ({logp.shape[0]},) (one per sequence) or "
+                f"{tuple(logp.shape)} (one per token), got {tuple(advantages.shape)}"
             )
         mask = mask.float()
-        token_adv = advantages[:, None].expand_as(logp)
+        token_adv = advantages[:, None].expand_as(logp) if advantages.dim() == 1 else advantages
         ratio = torch.exp(logp - old_logp)
         unclipped = ratio * token_adv
         clipped = ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high) * token_adv
@@ -651,6 +673,53 @@ class OnPolicyModule(LightningModule):
         return loss, stats
 
     # ------------------------------------------------------------------ training
+
+    def rollout_advantages(
+        self,
+        rollout: Rollout,
+        task_seeds: list[int],
+        stats: RolloutStats,
+        old_logp: Tensor,
+        mask: Tensor,
+    ) -> Tensor:
+        """Advantages of a rollout: one per episode ``(n,)`` or one per token ``(n, seq - 1)``.
+
+        Here the outcome advantages of the estimator ``advantage``; a subclass may return
+        token-level advantages (e.g. distillation targets, see
+        :class:`~ada_modules.models.SelfDistillationModule`).
+
+        Args:
+            rollout: The episodes, ``group_size`` consecutive ones per task.
+            task_seeds: The tasks of the rollout, one per group.
+            stats: Surprisal and progress for the estimator.
+            old_logp: Log-probabilities of the tokens under the sampling policy, ``(n, seq - 1)``.
+            mask: 1 on response tokens, ``(n, seq - 1)``.
+
+        Raises:
+            ValueError: If the estimator returns a wrong shape.
+        """
+        rewards = rollout.rewards.view(len(task_seeds), self.group_size)
+        estimator = ADVANTAGE_ESTIMATORS[self.advantage]
+        advantages = estimator(rewards, stats, **self.advantage_kwargs).reshape(-1)
+        if advantages.shape != rollout.rewards.shape:
+            raise InputError(
+                f"advantage estimator {self.advantage!r} returned shape "
+                f"{tuple(advantages.shape)}, expected {tuple(rewards.shape)}"
+            )
+        return advantages
+
+    def minibatch_loss(
+        self,
+        rollout: Rollout,
+        rows: Tensor,
+        old_logp: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        ref_logp: Tensor | None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one minibatch ``rows`` of the rollout: :meth:`policy_loss` of its tokens."""
+        logp, _ = self.token_logprobs(rollout, rows)
+        return self.policy_loss(logp, old_logp, advantages, mask, ref_logp)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         task_seeds = batch["task_seeds"].tolist()
@@ -702,7 +771,6 @@ class OnPolicyModule(LightningModule):
         surprisal_sum = -(old_logp * mask).sum(1)
         surprisal = surprisal_sum / lengths.clamp(min=1.0)
         num_prompts = len(task_seeds)
-        rewards = rollout.rewards.view(num_prompts, self.group_size)
         progress = (
             min(1.0, self.sampled_tokens / self.max_sampled_tokens)
             if self.max_sampled_tokens
@@ -713,17 +781,10 @@ class OnPolicyModule(LightningModule):
             progress=progress,
             entropy=float(surprisal.mean()),
         )
-        estimator = ADVANTAGE_ESTIMATORS[self.advantage]
-        advantages = estimator(rewards, stats, **self.advantage_kwargs).reshape(-1)
-        if advantages.shape != rollout.rewards.shape:
-            raise InputError(
-                f"advantage estimator {self.advantage!r} returned shape "
-                f"{tuple(advantages.shape)}, expected {tuple(rewards.shape)}"
-            )
+        advantages = self.rollout_advantages(rollout, task_seeds, stats, old_logp, mask)
 
         num_episodes = rollout.rewards.numel()
-        diagnostics: dict[str, list[Tensor]] = {"clip_fraction": [], "kl": [], "loss": []}
-        diagnostics["clip_cov_fraction"] = []
+        diagnostics: dict[str, list[Tensor]] = {}
         for _ in range(self.ppo_epochs):
             order = torch.randperm(num_episodes, device=self.device)
             minibatches = order.chunk(self.num_minibatches)
@@ -734,18 +795,18 @@ class OnPolicyModule(LightningModule):
                 most = self._all_reduce([len(minibatches)], op="max")[0]
                 missing = int(most) - len(minibatches)
             for rows in minibatches:
-                logp, _ = self.token_logprobs(rollout, rows)
-                loss, loss_stats = self.policy_loss(
-                    logp,
+                loss, loss_stats = self.minibatch_loss(
+                    rollout,
+                    rows,
                     old_logp[rows],
                     advantages[rows],
                     mask[rows],
                     None if ref_logp is None else ref_logp[rows],
                 )
                 self._step(optimizer, loss)
-                diagnostics["loss"].append(loss.detach())
+                diagnostics.setdefault("loss", []).append(loss.detach())
                 for key, value in loss_stats.items():
-                    diagnostics[key].append(value)
+                    diagnostics.setdefault(key, []).append(value)
             for _ in range(missing):
                 logp, _ = self.token_logprobs(rollout, minibatches[-1])
                 self._step(optimizer, logp.sum() * 0.0)
@@ -767,7 +828,11 @@ class OnPolicyModule(LightningModule):
             "train/response_length": lengths.sum() / rollout.responses.sum(),
             "train/episode_turns": rollout.responses.mean(),
             "train/sampled_tokens": torch.tensor(float(self.sampled_tokens)),
-            "train/advantage_abs": advantages.abs().mean(),
+            "train/advantage_abs": (
+                advantages.abs().mean()
+                if advantages.dim() == 1
+                else (advantages.abs() * mask).sum() / mask.sum().clamp(min=1.0)
+            ),
         }
         for key, values in diagnostics.items():
             metrics[f"train/{key}"] = torch.stack(values).mean()

@@ -37,11 +37,18 @@ class ArithmeticEnv(TextEnv):
     :func:`~ada_modules.data.addition_scratchpad`; with probability ``noise`` it writes a wrong final
     answer (the sum changed by a small amount at one digit position) after a correct scratchpad.
 
+    Privileged views (:meth:`privileged_info`, for self-distillation): ``solution`` the whole
+    scratchpad and answer; ``partial`` its first half of steps (the first ``ceil(steps / 2)``);
+    ``feedback`` the correct completion up to and including the first character where the agent's
+    response differs from it; ``noisy`` the whole scratchpad with each digit replaced, with
+    probability ``view_noise``, by another digit (the same corruption for every call on a task).
+
     Args:
         min_digits: Fewest digits of an operand.
         max_digits: Most digits of an operand.
         noise: Probability that a demonstration contains an error.
         max_action_tokens: Most tokens of the answer.
+        view_noise: Probability that a digit of the ``noisy`` view is wrong.
 
     Raises:
         ValueError: If an argument is out of range, naming it.
@@ -54,7 +61,11 @@ class ArithmeticEnv(TextEnv):
         >>> episode.step(env.demonstrator_action(episode, random.Random(0)))
         >>> episode.reward
         1.0
+        >>> env.privileged_info(seed=0, response="3+3+0=6,6+4+0=11>116")["feedback"]
+        '3+3+0=6,6+4+0=10'
     """
+
+    privileged_fields = ("solution", "partial", "feedback", "noisy")
 
     def __init__(
         self,
@@ -62,6 +73,7 @@ class ArithmeticEnv(TextEnv):
         max_digits: int = 2,
         noise: float = 0.5,
         max_action_tokens: int = 40,
+        view_noise: float = 0.2,
     ) -> None:
         super().__init__(max_turns=1, max_action_tokens=max_action_tokens)
         if isinstance(min_digits, bool) or not isinstance(min_digits, int) or min_digits < 1:
@@ -72,6 +84,9 @@ class ArithmeticEnv(TextEnv):
             )
         if not 0.0 <= noise <= 1.0:
             raise InputError(f"noise must be in [0, 1], got {noise!r}")
+        if not 0.0 <= view_noise <= 1.0:
+            raise InputError(f"view_noise must be in [0, 1], got {view_noise!r}")
+        self.view_noise = view_noise
         self.min_digits = min_digits
         self.max_digits = max_digits
         self.noise = noise
@@ -99,3 +114,31 @@ class ArithmeticEnv(TextEnv):
         return addition_scratchpad(episode.a, episode.b).rpartition(_ANSWER_MARKER)[0] + (
             _ANSWER_MARKER + str(total)
         )
+
+    def solution(self, seed: int) -> str:
+        """The scratchpad and the sum of the task of ``seed``."""
+        episode = self.reset(seed)
+        assert isinstance(episode, _ArithmeticEpisode)
+        return addition_scratchpad(episode.a, episode.b)
+
+    def privileged_info(self, seed: int, response: str) -> dict[str, str]:
+        """The ``solution``, ``partial``, ``feedback`` and ``noisy`` views of the task of ``seed``."""
+        solution = self.solution(seed)
+        steps = solution.rpartition(_ANSWER_MARKER)[0].split(",")
+        first_error = next(
+            (i for i, (x, y) in enumerate(zip(response, solution, strict=False)) if x != y),
+            min(len(response), len(solution) - 1),
+        )
+        rng = random.Random(seed * 7919 + 17)
+        noisy = "".join(
+            str((int(ch) + rng.randint(1, 9)) % 10)
+            if ch.isdigit() and rng.random() < self.view_noise
+            else ch
+            for ch in solution
+        )
+        return {
+            "solution": solution,
+            "partial": ",".join(steps[: (len(steps) + 1) // 2]),
+            "feedback": solution[: first_error + 1],
+            "noisy": noisy,
+        }

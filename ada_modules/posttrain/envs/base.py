@@ -95,6 +95,30 @@ class TextEnv(ABC):
     def demonstrator_action(self, episode: Episode, rng: random.Random) -> str:
         """The scripted (noisy) demonstrator's response to the episode's current observation."""
 
+    #: Names of the privileged texts :meth:`privileged_info` returns (empty: it has none).
+    privileged_fields: tuple[str, ...] = ()
+
+    def solution(self, seed: int) -> str:
+        """A correct response to the task of ``seed`` (single-turn tasks with privileged views).
+
+        Raises:
+            ValueError: If the environment has no privileged information.
+        """
+        raise InputError(f"{type(self).__name__} provides no privileged information")
+
+    def privileged_info(self, seed: int, response: str) -> dict[str, str]:
+        """Privileged texts about the task of ``seed``, one per name in :attr:`privileged_fields`.
+
+        For self-distillation (:class:`~ada_modules.models.SelfDistillationModule`): a teacher sees
+        one of them in its context, the student none. ``response`` is the agent's answer, for the
+        texts that comment on it (feedback on its first error); the others ignore it. Equal
+        arguments give equal texts.
+
+        Raises:
+            ValueError: If the environment has no privileged information.
+        """
+        raise InputError(f"{type(self).__name__} provides no privileged information")
+
     def demonstrate(self, seed: int, rng: random.Random) -> Transcript:
         """Run the demonstrator on the task of ``seed`` until the episode ends."""
         episode = self.reset(seed)
