@@ -40,7 +40,8 @@ from ada_modules.kv import (
     KIVICache,
 )
 from ada_modules.merging import ActivationStats, amaris
-from ada_modules.models import ADKVCalibrationModule, CausalLMModule
+from ada_modules.models import ADKVCalibrationModule, CausalLMModule, SelfDistillationModule
+from ada_modules.models.causal_lm import build_causal_lm
 from ada_modules.nn import MultiStreamResidual, NeuralCellularAutomaton, wrap_timm
 from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
 from ada_modules.optim.param_groups import check_param_coverage
@@ -61,6 +62,7 @@ AMARIS = "cli_configs/amaris/merge.yaml"
 RELIABILITY = "cli_configs/reliability/study.yaml"
 AOT_POT = "cli_configs/aot_pot/pretrain.yaml"
 ANCA_MAZE = "cli_configs/anca/maze.yaml"
+AVSD = "cli_configs/avsd/sorting.yaml"
 MERGED = "--model.output_dir={tmp}/merged"  # never runs/amaris/merged
 
 
@@ -72,6 +74,14 @@ def _calibrate_on_wrong_head_dim() -> None:
         "queries": torch.randn(1, 2, 4, 64),
     }
     module.training_step(batch, 0)
+
+
+def _teacher_with_other_vocabulary() -> None:
+    module = SelfDistillationModule(views={"solution": "[{solution}]"}, hidden_size=32,
+                                    num_layers=1, num_heads=2, num_kv_heads=1)  # fmt: skip
+    other = build_causal_lm(module.tokenizer, "llama", 32, 1, 2, 1, 64, 64, None)
+    other.resize_token_embeddings(module.tokenizer.vocab_size + 4, mean_resizing=False)
+    module.use_teacher(other)
 
 
 @dataclass(frozen=True)
@@ -553,6 +563,33 @@ CASES = [
         "anca",
         "`NeuralCellularAutomaton(in_channels=3, out_channels=2)(x)` with 4-channel `x`",
         _raises(lambda tmp: NeuralCellularAutomaton(3, 2)(torch.zeros(1, 4, 9, 9), steps=2)),
+    ),
+    Case(
+        "avsd",
+        "`ada fit -c cli_configs/avsd/sorting.yaml --model.init_args.views '{}'`",
+        _cli(["fit", "-c", AVSD, "--model.init_args.views={}"]),
+    ),
+    Case(
+        "avsd",
+        "`ada fit -c cli_configs/avsd/sorting.yaml --model.init_args.views '{solution: \"[solution]\"}'`",
+        _cli(["fit", "-c", AVSD, '--model.init_args.views={solution: "[solution]"}']),
+    ),
+    Case(
+        "avsd",
+        "`ada fit -c cli_configs/avsd/sorting.yaml --model.init_args.temperature 0`",
+        _cli(["fit", "-c", AVSD, "--model.init_args.temperature=0"]),
+    ),
+    Case(
+        "avsd",
+        "`ada fit -c cli_configs/avsd/sorting.yaml` with `env: KeyDoorEnv` (multi-turn, no views)",
+        _cli(
+            ["fit", "-c", AVSD, *TINY, "--data.init_args.env=ada_modules.posttrain.envs.KeyDoorEnv"]
+        ),
+    ),
+    Case(
+        "avsd",
+        "`SelfDistillationModule(views=...).use_teacher(model)`, `model` with 4 more tokens",
+        _raises(lambda tmp: _teacher_with_other_vocabulary()),
     ),
     # fmt: on
     Case("sweeps", "`ada sweep missing.yaml`", _cli(["sweep", "{tmp}/missing.yaml"])),

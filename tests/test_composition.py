@@ -11,7 +11,10 @@ entry, see docs/contributing.md):
 - ``ATTENTIONS`` (at test): transformers' SDPA, AdaCal's sparse prefill (every test prompt takes
   the sparse path: blocks of 16, no minimum length).
 
-aNCA's maze solver is a model of its own: its test below trains it with each optimizer.
+aNCA's maze solver is a model of its own: its test below trains it with each optimizer. AVSD's
+self-distillation module is a training loop of its own (sampling, teacher views, manual
+optimization): its test below trains a policy of each wrapper with each optimizer that takes plain
+parameter groups.
 
 Merging (AMARIS) is not a factor of a training run: it acts on checkpoints afterwards. Its test
 below merges a specialist of each wrapper into its base and generates through every cache. The
@@ -45,12 +48,13 @@ from transformers import DynamicCache
 
 import ada_modules.attention  # noqa: F401  (registers the sparse prefill attention functions)
 from ada_modules.callbacks import ConnectivityMonitor, SparsePrefillMonitor
-from ada_modules.data import MazeDataModule, RecallDataModule
+from ada_modules.data import EnvTaskDataModule, MazeDataModule, RecallDataModule
 from ada_modules.kv import AdaKVQCache, ADKVCache, KIVICache
 from ada_modules.merging import amaris, collect_activation_stats, output_deviation
-from ada_modules.models import CausalLMModule, MazeNCAModule
+from ada_modules.models import CausalLMModule, MazeNCAModule, SelfDistillationModule
 from ada_modules.nn import ConnectivityWrapper, StreamsWrapper
 from ada_modules.optim import AcceleGradSharp, Muon, Scion
+from ada_modules.posttrain.envs import SortingEnv
 from ada_modules.reliability import (
     CausalLMChannel,
     DiversityCombining,
@@ -482,3 +486,41 @@ def test_the_anca_solver_trains_with_each_optimizer_that_takes_its_layers(optimi
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     ).fit(module, datamodule=data)  # fmt: skip
     assert loss() < 0.9 * before, optimizer
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "accelegrad_sharp"])
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_self_distillation_trains_a_policy_of_each_wrapper_with_each_optimizer(wrapper, optimizer):
+    """AVSD: the policy wrapped in place (ANCRe, multi-stream), a warm start whose loss goes down,
+    then RL steps whose frozen teacher is a copy of the wrapped policy (views pooled per token).
+    Scion and Muon's chain are left out: they need the geometry / matrix groups that the on-policy
+    module's plain weight-decay groups do not form."""
+    seed_everything(0)
+    module = SelfDistillationModule(
+        views={"solution": "[{solution}]", "noisy": "[{noisy}]"}, group_size=4, sft_steps=12,
+        max_sampled_tokens=80, eval_tasks=4, eval_samples=2, hidden_size=32, num_layers=2,
+        num_heads=2, num_kv_heads=2, intermediate_size=64, max_position_embeddings=128,
+        optimizer=OPTIMIZERS[optimizer]["optimizer"],
+    )  # fmt: skip
+    if WRAPPERS[wrapper] is not None:
+        WRAPPERS[wrapper]()(module.model)
+    sft_losses = []
+
+    class SFTLoss(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if pl_module.rl_steps == 0:
+                sft_losses.append(float(trainer.callback_metrics["train/sft_loss"]))
+
+    data = EnvTaskDataModule(SortingEnv(length=3), num_train=64, num_val=8, num_test=8,
+                             batch_size=4)  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=-1, limit_val_batches=0, logger=False, callbacks=[SFTLoss()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    assert sft_losses[-1] < 0.9 * sft_losses[0], sft_losses
+    assert module.rl_steps >= 1
+    assert math.isfinite(trainer.callback_metrics["train/distill_advantage"].item())
+    teacher = module.teacher_model()
+    assert teacher is not module.model
+    assert [type(m) for m in teacher.modules()] == [type(m) for m in module.model.modules()]

@@ -13,6 +13,7 @@ from ada_modules.models.nca_solver import MazeNCAModule, SudokuNCAModule
 from ada_modules.models.on_policy import OnPolicyModule
 from ada_modules.models.operator_transformer import OperatorTransformerModule
 from ada_modules.models.reliability_study import ReliabilityStudyModule
+from ada_modules.models.self_distillation import SelfDistillationModule
 from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "OperatorTransformerModule",
     "MoELMModule",
     "ReliabilityStudyModule",
+    "SelfDistillationModule",
     "SparsePrefillStudyModule",
     "SudokuNCAModule",
 ]
