@@ -339,18 +339,22 @@ class OnPolicyModule(LightningModule):
         dist.all_reduce(tensor, op=ops[op], group=group)
         return tensor.tolist()
 
-    def _frozen_policy(self) -> torch.nn.Module:
-        """A frozen copy of the policy as it is now, sharded like it when it is sharded."""
+    def _frozen_policy(self, shell: torch.nn.Module | None = None) -> torch.nn.Module:
+        """A frozen copy of the policy as it is now, sharded like it when it is sharded.
+
+        When sharded, the copy is written into ``shell``, a copy sharded alike in
+        :meth:`configure_model` (by default the KL reference's).
+        """
         if not is_sharded(self.model):
             return copy.deepcopy(self.model).eval().requires_grad_(False)
-        if not self._sharded_shell:
+        if shell is None and not self._sharded_shell:
             raise RuntimeError(
                 "OnPolicyModule: the policy was sharded outside configure_model; the reference "
                 "policy of kl_coef > 0 needs a copy sharded alike (made in configure_model)"
             )
         from torch.distributed.fsdp import FSDPModule
 
-        shell = self._sharded_shell[0]
+        shell = self._sharded_shell[0] if shell is None else shell
         for module in (*self.model.modules(), *shell.modules()):
             if isinstance(module, FSDPModule):
                 module.reshard()  # the registered parameters are the local shards again

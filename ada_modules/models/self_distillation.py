@@ -18,6 +18,7 @@ from ada_modules.posttrain.avsd import (
     sampled_token_advantages,
 )
 from ada_modules.posttrain.envs.base import TextEnv, Transcript
+from ada_modules.strategies.sharding import is_sharded, shard_module, world_size
 
 __all__ = ["SelfDistillationModule"]
 
@@ -61,7 +62,8 @@ class SelfDistillationModule(OnPolicyModule):
       policy-gradient objective of the base module;
     * ``distillation="full"``: ``w * JSD_beta(q || s)`` over the whole vocabulary at every response
       token (:func:`~ada_modules.posttrain.avsd.generalized_jsd`; GKD's loss on the student's own
-      samples).
+      samples), averaged over the minibatch's response tokens whatever ``loss_type`` says, and
+      without Clip-Cov (those apply to the outcome part).
 
     ``distillation_weight`` mixes in the outcome advantages of ``advantage`` (GRPO by default):
     1 is pure self-distillation, 0 pure RL (then the views only serve the warm start and the
@@ -187,12 +189,19 @@ class SelfDistillationModule(OnPolicyModule):
         self.teacher_ema_decay = teacher_ema_decay
         self.sft_view_prob = sft_view_prob
         self._teacher_model: list[torch.nn.Module] = []  # a list: not a registered submodule
+        self._external_teacher = False  # set by use_teacher: frozen, never saved
+        self._teacher_shell: list[torch.nn.Module] = []  # the frozen teacher-to-be when sharded
+        self._restored_teacher: dict[str, Tensor] | None = None  # from a checkpoint, until RL
         self._target: AVSDTarget | None = None  # the rollout's target, for "full" minibatches
 
     # ------------------------------------------------------------------ teacher
 
     def use_teacher(self, model: torch.nn.Module) -> None:
-        """Distil from ``model`` (frozen) instead of a copy of the policy; same vocabulary needed.
+        """Distil from ``model`` instead of a copy of the policy; it needs the same vocabulary.
+
+        The model stays frozen whatever ``teacher`` says (no EMA), is moved to the module's
+        device when RL starts (it is not sharded with the policy), and is not saved in
+        checkpoints (call this again after loading one).
 
         Raises:
             ValueError: If ``model``'s vocabulary size differs from the student's.
@@ -205,12 +214,20 @@ class SelfDistillationModule(OnPolicyModule):
                 "self-distillation compares their distributions token by token, so they must match"
             )
         self._teacher_model[:] = [model.eval().requires_grad_(False)]
+        self._external_teacher = True
 
     def teacher_model(self) -> torch.nn.Module:
-        """The teacher now: the policy (``"live"``) or its EMA / start-of-RL copy."""
+        """The teacher now: the policy (``"live"``), its EMA / start-of-RL copy, or ``use_teacher``'s."""
         return self._teacher_model[0] if self._teacher_model else self.model
 
-    def on_fit_start(self) -> None:
+    def _own_frozen_teacher(self) -> bool:
+        """Whether RL keeps a copy of the policy as teacher (``"base"`` / ``"ema"``, not given)."""
+        return (
+            self.teacher != "live" and self.distillation_weight > 0 and not self._external_teacher
+        )
+
+    def prepare_data(self) -> None:
+        """Checks that the environment can fill the views (before any callback writes a file)."""
         env = self.env
         if not self.views:
             return
@@ -227,17 +244,38 @@ class SelfDistillationModule(OnPolicyModule):
                     f"(its privileged texts: {list(env.privileged_fields)})"
                 )
 
+    def configure_model(self) -> None:
+        """As the base; with a ``"base"`` / ``"ema"`` teacher also a teacher copy sharded alike."""
+        mesh = self.device_mesh
+        if mesh is not None and self._own_frozen_teacher() and not is_sharded(self.model):
+            shell = copy.deepcopy(self.model).requires_grad_(False)
+            shard_module(shell, mesh)
+            self._teacher_shell[:] = [shell]
+        super().configure_model()
+
     def _rl_step(self, task_seeds: list[int], optimizer: Any) -> None:
-        if self.teacher != "live" and not self._teacher_model and self.distillation_weight > 0:
-            self._teacher_model.append(self._frozen_policy())
+        if self._own_frozen_teacher() and not self._teacher_model:
+            teacher = self._frozen_policy(self._teacher_shell[0] if self._teacher_shell else None)
+            if self._restored_teacher is not None:  # resuming: the saved teacher, on our device
+                teacher.load_state_dict(self._restored_teacher)
+                self._restored_teacher = None
+            self._teacher_model.append(teacher)
+        elif self._external_teacher and not is_sharded(self.model):
+            self._teacher_model[0].to(self.device)
         super()._rl_step(task_seeds, optimizer)
-        if self.teacher == "ema" and self.distillation_weight > 0:
-            with torch.no_grad():
-                pairs = zip(
-                    self._teacher_model[0].parameters(), self.model.parameters(), strict=True
-                )
-                for ema, param in pairs:
-                    ema.lerp_(param, 1.0 - self.teacher_ema_decay)
+        self._target = None
+        if self.teacher == "ema" and self._own_frozen_teacher():
+            self._update_ema(self._teacher_model[0])
+
+    @torch.no_grad()
+    def _update_ema(self, teacher: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in (*teacher.modules(), *self.model.modules()):
+            if isinstance(module, FSDPModule):
+                module.reshard()  # the registered parameters are the local shards again
+        for ema, param in zip(teacher.parameters(), self.model.parameters(), strict=True):
+            ema.lerp_(param, 1.0 - self.teacher_ema_decay)
 
     # ------------------------------------------------------------------ views
 
@@ -294,6 +332,8 @@ class SelfDistillationModule(OnPolicyModule):
             input_ids=batch.to(self.device), attention_mask=attention.to(self.device)
         ).logits
         teacher.train(was_training)
+        if teacher is not self.model and is_sharded(teacher):
+            teacher.reshard()  # FSDP2 keeps the root gathered after a forward: free it
         if logits.shape[-1] != self.tokenizer.vocab_size:
             raise InputError(
                 f"the teacher's vocabulary has {logits.shape[-1]} tokens and the student's "
@@ -422,6 +462,11 @@ class SelfDistillationModule(OnPolicyModule):
         if first and self.views:
             seeds = self.trainer.datamodule.tasks("val")[: self.eval_tasks]
             success = self.view_success(env, seeds, self.eval_samples)
+            if self._lockstep():  # one premise on all ranks: the mean over their episodes
+                means = self._all_reduce(list(success.values()))
+                success = {
+                    view: mean / world_size() for view, mean in zip(success, means, strict=True)
+                }
             self.log_dict(
                 {f"val/teacher_success_{v}": torch.tensor(s) for v, s in success.items()},
                 batch_size=len(seeds),
@@ -431,13 +476,15 @@ class SelfDistillationModule(OnPolicyModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        if self._teacher_model:
+        if self._teacher_model and not self._external_teacher and not is_sharded(self.model):
             checkpoint["self_distillation_teacher"] = self._teacher_model[0].state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keeps the saved EMA / frozen teacher for the next RL step, if ``teacher`` still wants it.
+
+        (A sharded run saves none: on resuming, its teacher is copied from the policy again.)
+        """
         super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("self_distillation_teacher")
-        if state is not None:
-            teacher = copy.deepcopy(self.model).eval().requires_grad_(False)
-            teacher.load_state_dict(state)
-            self._teacher_model[:] = [teacher]
+        self._teacher_model.clear()
+        self._restored_teacher = state if state is not None and self._own_frozen_teacher() else None

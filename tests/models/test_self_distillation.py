@@ -1,6 +1,6 @@
 """SelfDistillationModule: teacher inputs, reductions to OPSD and GRPO, warm start, fits, bad input."""
 
-import random
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -94,26 +94,58 @@ def test_views_the_environment_cannot_fill_are_refused_when_fit_starts(
         trainer.fit(module, EnvTaskDataModule(env, num_train=16, num_val=4, num_test=4))
 
 
-def test_one_view_gives_opsd_advantages_from_the_prefixed_teacher_sequence(seed):
-    """The teacher reads <bos> + view text + task + the student's response; the advantage of each
-    response token is log p_teacher - log p_student of it (computed here independently)."""
-    module = _module(teacher_views=["partial"], teacher="live")
-    env = SortingEnv(length=4)
-    rollout, old_logp, mask, _, advantages = _advantages(module, env, [3, 4])
+def _teacher_logprobs_by_hand(module, env, rollout, seeds, template):
+    """log p_teacher of every rollout position, from <bos> + view text + the sequence, one row at
+    a time (the module batches all views and rows with per-row offsets)."""
     tok = module.tokenizer
+    rows = []
     for row in range(rollout.input_ids.shape[0]):
         ids = rollout.input_ids[row][rollout.attention_mask[row].bool()].tolist()
         actions = rollout.action_mask[row][: len(ids)].tolist()
         response = tok.decode([t for t, a in zip(ids, actions, strict=True) if a and t > 2])
-        seed = [3, 3, 4, 4][row]
-        prefix = tok.encode(VIEWS["partial"].format(**env.privileged_info(seed, response)))
-        teacher_ids = torch.tensor([[ids[0], *prefix, *ids[1:]]])
-        logits = module.model(input_ids=teacher_ids).logits[0]
-        logp = torch.log_softmax(logits, -1)
-        for t in range(len(ids) - 1):
-            if actions[t + 1]:
-                teacher = logp[len(prefix) + t, ids[t + 1]]
-                expected = teacher - old_logp[row, t]
+        prefix = tok.encode(template.format(**env.privileged_info(seeds[row], response)))
+        logits = module.model(input_ids=torch.tensor([[ids[0], *prefix, *ids[1:]]])).logits[0]
+        logp = torch.log_softmax(logits, -1)[len(prefix) : len(prefix) + len(ids) - 1]
+        rows.append((logp, len(prefix)))
+    return rows
+
+
+def test_each_view_is_read_before_the_task_at_its_own_offset(seed):
+    """Views whose texts differ in length (so the rows of the teacher's batch have different
+    offsets): every view's row matches the teacher run by hand on that row."""
+    views = {
+        "solution": "[{solution}]",
+        "feedback": "f{feedback}|",
+        "partial": "{partial}",
+        "both": "{partial}.{solution}|",
+    }
+    module = _module(views=views, teacher="live")
+    env = SortingEnv(length=5)
+    seeds = [3, 3, 4, 4]
+    rollout = module.rollout(env, [3, 4], module.group_size)
+    with mock.patch.object(SelfDistillationModule, "env", env):
+        batched = module.view_logprobs(rollout, seeds, list(views))
+    lengths = set()
+    for v, template in enumerate(views.values()):
+        for row, (logp, prefix) in enumerate(
+            _teacher_logprobs_by_hand(module, env, rollout, seeds, template)
+        ):
+            lengths.add(prefix)
+            torch.testing.assert_close(batched[v, row, : logp.shape[0]], logp, atol=1e-5, rtol=0)
+    assert len(lengths) >= 3  # the offsets really differ
+
+
+def test_one_view_gives_opsd_advantages_from_the_prefixed_teacher_sequence(seed):
+    """The advantage of each response token is log p_teacher - log p_student of it."""
+    module = _module(teacher_views=["partial"], teacher="live")
+    env = SortingEnv(length=4)
+    rollout, old_logp, mask, _, advantages = _advantages(module, env, [3, 4])
+    by_hand = _teacher_logprobs_by_hand(module, env, rollout, [3, 3, 4, 4], VIEWS["partial"])
+    for row, (logp, _) in enumerate(by_hand):
+        for t in range(logp.shape[0]):
+            if mask[row, t]:
+                token = rollout.input_ids[row, t + 1]
+                expected = logp[t, token] - old_logp[row, t]
                 assert abs(advantages[row, t] - expected) < 1e-5
             else:
                 assert advantages[row, t] == 0
@@ -155,12 +187,21 @@ def test_warm_start_shows_views_before_correct_answers_or_the_plain_demonstratio
     assert torch.equal(never._demonstrations(env, [1, 2]).input_ids, plain.input_ids)
 
 
-def test_view_success_reads_each_view_from_the_context(seed):
-    module = _module()
-    env = SortingEnv(length=4)
-    rng = random.Random(0)
-    success = module.view_success(env, [rng.randrange(1000) for _ in range(4)], samples=2)
-    assert set(success) == set(VIEWS) and all(0.0 <= s <= 1.0 for s in success.values())
+def test_view_success_puts_each_view_before_the_task_and_grades_the_answers(seed):
+    """With a "policy" that copies whatever stands between [ and ] before the task: the solution
+    view always succeeds, the partial view (half the answer) never, the noisy view sometimes."""
+    module = _module(views={**VIEWS, "partial": "[{partial}]"})
+    tok = module.tokenizer
+
+    def copy_the_view(contexts, max_tokens, greedy):
+        texts = [tok.decode([t for t in c if t > 2]) for c in contexts]
+        return [tok.encode(t[t.index("[") + 1 : t.index("]")] if "[" in t else "") for t in texts]
+
+    env = SortingEnv(length=6, view_noise=0.3)
+    with mock.patch.object(module, "_sample", copy_the_view):
+        success = module.view_success(env, list(range(40)), samples=1)
+    assert success["solution"] == 1.0 and success["partial"] == 0.0
+    assert 0.0 < success["noisy"] < 1.0
 
 
 @pytest.mark.parametrize(
@@ -208,10 +249,10 @@ def test_short_fit_logs_the_target_and_checkpoints_the_teacher(
     assert moved  # the policy trained away from its (EMA / frozen) teacher
     path = tmp_path / "sd.ckpt"
     trainer.save_checkpoint(path)
-    restored = _module(teacher=teacher)
-    restored.on_load_checkpoint(torch.load(path, weights_only=False))
-    for a, b in zip(restored.teacher_model().parameters(), frozen.parameters(), strict=True):
-        assert torch.equal(a, b)
+    saved = torch.load(path, weights_only=False)["self_distillation_teacher"]
+    assert saved.keys() == frozen.state_dict().keys()
+    for name, value in frozen.state_dict().items():
+        assert torch.equal(saved[name], value), name
 
 
 @pytest.mark.slow
@@ -236,3 +277,60 @@ def test_self_distillation_improves_on_the_warm_start(seed, cpu_trainer):
     start, final = metrics["val/success_start"].item(), metrics["val/success"].item()
     assert metrics["val/teacher_success_solution"].item() > start  # the premise
     assert final >= start + 0.1, (start, final)
+
+
+def test_resuming_restores_the_frozen_teacher_unless_the_teacher_is_now_live(
+    seed, cpu_trainer, tmp_path
+):
+    def build(teacher, tokens):
+        return _module(
+            teacher=teacher, group_size=4, sft_steps=2, max_sampled_tokens=tokens, eval_tasks=4,
+            eval_samples=1, optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        )  # fmt: skip
+
+    data = EnvTaskDataModule(
+        SortingEnv(length=3), num_train=64, num_val=8, num_test=8, batch_size=2
+    )
+    first = build("base", 40)
+    trainer = cpu_trainer(max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(first, data)
+    path = tmp_path / "first.ckpt"
+    trainer.save_checkpoint(path)
+    saved = [p.clone() for p in first.teacher_model().parameters()]
+    resumed = build("base", 80)
+    trainer = cpu_trainer(max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(resumed, data, ckpt_path=path)
+    assert resumed.rl_steps > first.rl_steps
+    for restored, kept in zip(resumed.teacher_model().parameters(), saved, strict=True):
+        assert torch.equal(restored, kept)  # the start-of-RL teacher, not the resumed policy
+    live = build("live", 80)
+    trainer = cpu_trainer(max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(live, data, ckpt_path=path)
+    assert live.teacher_model() is live.model
+
+
+def test_a_given_teacher_stays_frozen_even_with_ema_and_may_be_larger(seed, cpu_trainer):
+    module = _module(teacher="ema", group_size=2, sft_steps=1, max_sampled_tokens=30,
+                     eval_tasks=2, eval_samples=1)  # fmt: skip
+    larger = build_causal_lm(module.tokenizer, "llama", 64, 2, 4, 2, 128, 128, None)
+    before = [p.clone() for p in larger.parameters()]
+    module.use_teacher(larger)
+    data = EnvTaskDataModule(
+        SortingEnv(length=3), num_train=64, num_val=8, num_test=8, batch_size=2
+    )
+    cpu_trainer(max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0).fit(module, data)
+    assert module.rl_steps >= 1 and module.teacher_model() is larger
+    assert all(torch.equal(a, b) for a, b in zip(larger.parameters(), before, strict=True))
+
+
+def test_a_bad_environment_is_refused_before_the_cli_writes_anything(tmp_path):
+    from ada_modules.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "cli_configs" / "avsd" / "sorting.yaml"
+    args = ["fit", "-c", str(config), f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.callbacks=[]",
+            "--data.init_args.env=ada_modules.posttrain.envs.KeyDoorEnv"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert list(tmp_path.rglob("*")) == []

@@ -63,6 +63,32 @@ def test_arithmetic_demonstrator_noise_sets_its_success_rate():
     assert 0.4 <= _demo_success(ArithmeticEnv(noise=0.5)) <= 0.6
 
 
+def test_arithmetic_views_reveal_the_solution_in_parts():
+    env = ArithmeticEnv(min_digits=3, max_digits=3, view_noise=0.5)
+    for seed in range(20):
+        solution = env.solution(seed)
+        views = env.privileged_info(seed, response="")
+        assert views["solution"] == solution
+        assert solution.startswith(views["partial"]) and len(views["partial"]) < len(solution)
+        assert views["feedback"] == solution[:1]  # nothing right yet: the first character
+        wrong = solution[:5] + ("0" if solution[5] != "0" else "1")
+        assert env.privileged_info(seed, wrong)["feedback"] == solution[:6]
+        assert env.privileged_info(seed, solution)["feedback"] == solution
+        noisy = views["noisy"]
+        assert len(noisy) == len(solution)
+        assert all(a == b for a, b in zip(noisy, solution, strict=True) if not b.isdigit())
+        assert env.privileged_info(seed, "x")["noisy"] == noisy  # fixed per task
+    wrong_digits = sum(
+        a != b
+        for seed in range(20)
+        for a, b in zip(env.privileged_info(seed, "")["noisy"], env.solution(seed), strict=True)
+    )
+    digits = sum(ch.isdigit() for seed in range(20) for ch in env.solution(seed))
+    assert 0.35 <= wrong_digits / digits <= 0.65
+    clean = ArithmeticEnv(min_digits=3, max_digits=3, view_noise=0.0)
+    assert all(clean.privileged_info(s, "")["noisy"] == clean.solution(s) for s in range(20))
+
+
 @pytest.mark.parametrize(
     ("factory", "match"),
     [
@@ -72,6 +98,8 @@ def test_arithmetic_demonstrator_noise_sets_its_success_rate():
         (lambda: KeyDoorEnv(slack=-1), "slack"),
         (lambda: ArithmeticEnv(min_digits=3, max_digits=2), "max_digits"),
         (lambda: ArithmeticEnv(max_action_tokens=0), "max_action_tokens"),
+        (lambda: ArithmeticEnv(view_noise=1.5), "view_noise"),
+        (lambda: ArithmeticEnv(view_noise=True), "view_noise"),
     ],
 )
 def test_bad_environment_arguments(factory, match):

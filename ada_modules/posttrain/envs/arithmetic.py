@@ -84,7 +84,7 @@ class ArithmeticEnv(TextEnv):
             )
         if not 0.0 <= noise <= 1.0:
             raise InputError(f"noise must be in [0, 1], got {noise!r}")
-        if not 0.0 <= view_noise <= 1.0:
+        if isinstance(view_noise, bool) or not 0.0 <= view_noise <= 1.0:
             raise InputError(f"view_noise must be in [0, 1], got {view_noise!r}")
         self.view_noise = view_noise
         self.min_digits = min_digits
