@@ -55,6 +55,13 @@ def bench_device(name: str) -> tuple[torch.device, str] | None:
     return device, f"cpu ({torch.get_num_threads()} threads)"
 
 
+def mean_std(values: list[float]) -> str:
+    """``mean ± std`` of a table cell (the value alone when there is one)."""
+    if len(values) == 1:
+        return f"{values[0]:.3g}"
+    return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
+
+
 def sync(device: torch.device) -> None:
     """Wait for queued work on ``device``."""
     if device.type == "cuda":

@@ -18,14 +18,13 @@ Exits non-zero without CUDA unless ``--device cpu``.
 """
 
 import argparse
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import write_json  # bench/gpu/_common.py
+from _common import bench_device, mean_std, write_json  # bench/gpu/_common.py
 from lightning.pytorch import Trainer, seed_everything
 
 from ada_modules.data import EnvTaskDataModule
@@ -146,24 +145,17 @@ def run_arm(arm: str, seed: int, size: Size, device: torch.device) -> dict[str, 
     return metrics
 
 
-def fmt(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.3g}"
-    return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="time guard in seconds")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available; use --device cpu --quick for a smoke test.", file=sys.stderr)
+    found = bench_device(args.device)
+    if found is None:
         return 1
+    device, name = found
     size = QUICK if args.quick else FULL
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# AEM GPU benchmark ({'quick' if args.quick else 'full'}) on {name}\n")
     start = time.perf_counter()
     runs: list[dict[str, Any]] = []
@@ -189,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = [r for r in runs if r["arm"] == arm]
         if not rows:
             continue
-        cells = [fmt([r[m] for r in rows]) for m in METRICS]
+        cells = [mean_std([r[m] for r in rows]) for m in METRICS]
         print(
             f"| {arm} | {len(rows)} | "
             + " | ".join(cells)
-            + f" | {fmt([r['wall_s'] for r in rows])} |"
+            + f" | {mean_std([r['wall_s'] for r in rows])} |"
         )
     elapsed = time.perf_counter() - start
     if skipped:

@@ -20,14 +20,13 @@ Exits non-zero without CUDA unless ``--device cpu``.
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import write_json  # bench/gpu/_common.py
+from _common import bench_device, mean_std, write_json  # bench/gpu/_common.py
 from lightning.pytorch import Trainer, seed_everything
 
 from ada_modules.data import EnvTaskDataModule
@@ -178,24 +177,17 @@ def run_arm(arm: str, seed: int, start: dict, size: Size, device: torch.device) 
     return metrics
 
 
-def fmt(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.3g}"
-    return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="time guard in seconds")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available; use --device cpu --quick for a smoke test.", file=sys.stderr)
+    found = bench_device(args.device)
+    if found is None:
         return 1
+    device, name = found
     size = QUICK if args.quick else FULL
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"# AVSD GPU benchmark ({'quick' if args.quick else 'full'}) on {name}\n")
     begin = time.perf_counter()
     runs: list[dict[str, Any]] = []
@@ -225,14 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     for arm in ARMS:
         rows = [r for r in runs if r["arm"] == arm]
         if rows:
-            cells = [fmt([r[m] for r in rows]) for m in METRICS]
-            wall = fmt([r["wall_s"] for r in rows])
+            cells = [mean_std([r[m] for r in rows]) for m in METRICS]
+            wall = mean_std([r["wall_s"] for r in rows])
             print(f"| {arm} | {len(rows)} | " + " | ".join(cells) + f" | {wall} |")
     first = {r["seed"]: r for r in runs}.values()  # one record per seed: the premise
     print("\n| context | warm-start success |\n| --- | ---: |")
-    print(f"| no view | {fmt([r['val/success_start'] for r in first])} |")
+    print(f"| no view | {mean_std([r['val/success_start'] for r in first])} |")
     for view in VIEWS:
-        print(f"| {view} view | {fmt([r[f'teacher_{view}'] for r in first])} |")
+        print(f"| {view} view | {mean_std([r[f'teacher_{view}'] for r in first])} |")
     elapsed = time.perf_counter() - begin
     if skipped:
         print(f"\nskipped by the time guard: {', '.join(skipped)}")
