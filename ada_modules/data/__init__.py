@@ -10,6 +10,9 @@ Operator-learning data for AOT-POT: :class:`PDEDataModule` serves windows of tra
 or several PDE families (advection, diffusion, Burgers, Allen-Cahn, KdV; 2D advection and
 diffusion), solved pseudo-spectrally by :func:`solve_pde`.
 
+Federated rounds for ASAP: :class:`FederatedDataModule` shares another DataModule's training
+split among clients (IID or Dirichlet label skew) and serves every client's batches per round.
+
 Puzzles for aNCA: :class:`MazeDataModule` and :class:`SudokuDataModule` serve seeded mazes
 (:mod:`~ada_modules.data.mazes`, :func:`generate_maze`) and Sudoku puzzles
 (:mod:`~ada_modules.data.sudoku`, :func:`generate_sudoku`) as per-cell image tensors, scored by
@@ -20,6 +23,7 @@ from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpa
 from ada_modules.data.digit_domains import DIGIT_DOMAINS, DigitDomainsDataModule
 from ada_modules.data.digits import DigitsDataModule
 from ada_modules.data.env_tasks import EnvTaskDataModule
+from ada_modules.data.federated import FederatedDataModule
 from ada_modules.data.kv_capture import (
     CAPTURE_ATTENTION,
     CapturedKV,
@@ -78,6 +82,7 @@ __all__ = [
     "CapturedKVDataModule",
     "CharTokenizer",
     "DIGIT_DOMAINS",
+    "FederatedDataModule",
     "DigitDomainsDataModule",
     "DigitsDataModule",
     "EnvTaskDataModule",

@@ -7,6 +7,7 @@ implementation, an optimizer), so a baseline and a technique differ by one YAML 
 from ada_modules.models.adkv_calibration import ADKVCalibrationModule
 from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
+from ada_modules.models.federated import FederatedSimulationModule
 from ada_modules.models.merge import MergeModule
 from ada_modules.models.moe import MoELMModule
 from ada_modules.models.nca_solver import MazeNCAModule, SudokuNCAModule
@@ -19,6 +20,7 @@ from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
 __all__ = [
     "ADKVCalibrationModule",
     "CausalLMModule",
+    "FederatedSimulationModule",
     "ImageClassifierModule",
     "MazeNCAModule",
     "MergeModule",
