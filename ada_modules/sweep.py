@@ -35,6 +35,7 @@ A sweep spec is a YAML mapping; ``base`` and ``metrics`` are required::
                                      # (after `overrides` and the variant's, so they win)
       trainer.max_steps: 20
     quick_seeds: [0]                 # seeds used by `--quick` (default: `seeds`)
+    quick_variants: ["small,num_heads=2"]  # variants run by `--quick`, full names (default: all)
     name: quickstart                 # default output folder is sweeps/<name>; default name: the
                                      # file stem (the folder name for a file called repro.yaml)
 
@@ -378,7 +379,10 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
             )
             dirs[fit.name] = fit_dir
     runs = []
-    for variant in spec.variants:
+    variants = spec.variants
+    if quick and spec.quick_variants is not None:
+        variants = [v for v in variants if v.name in spec.quick_variants]
+    for variant in variants:
         for seed in seeds:
             run_dir = out / "runs" / file_name(variant.name) / f"seed_{seed}"
             chain = fits[seed]

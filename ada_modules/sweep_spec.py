@@ -48,6 +48,7 @@ SPEC_KEYS = (
     "overrides",
     "quick",
     "quick_seeds",
+    "quick_variants",
     "seeds",
     "stages",
     "variants",
@@ -150,6 +151,7 @@ class SweepSpec:
         overrides: Overrides of every run (shared fits included), before the variant's.
         quick: Overrides added to every run with ``quick=True``, last.
         quick_seeds: Seeds used with ``quick=True`` (``None``: the same as ``seeds``).
+        quick_variants: Names of the variants run with ``quick=True`` (``None``: all).
         shared_fit: Overrides of the shared fit stage (``fit``), or ``None``.
         fits: The named shared fits (``fits``), in the order they run for each seed, or ``None``.
             ``fit`` and ``fits`` exclude each other; with neither, each variant fits itself.
@@ -165,6 +167,7 @@ class SweepSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
     quick: dict[str, Any] | None = None
     quick_seeds: list[int] | None = None
+    quick_variants: list[str] | None = None
     shared_fit: dict[str, Any] | None = None
     fits: list[SharedFit] | None = None
 
@@ -245,6 +248,15 @@ class SweepSpec:
         if "quick_seeds" in data:
             quick_seeds = _seeds(data["quick_seeds"], "quick_seeds", fail)
         quick = _overrides(data["quick"] or {}, "quick", fail) if "quick" in data else None
+        quick_variants = None
+        if "quick_variants" in data:
+            quick_variants = data["quick_variants"]
+            names = [v.name for v in variants]
+            if not isinstance(quick_variants, list) or not quick_variants:
+                raise fail("'quick_variants' must be a non-empty list of variant names")
+            unknown = [name for name in quick_variants if name not in names]
+            if unknown:
+                raise fail(f"'quick_variants' names unknown variants {unknown}; known: {names}")
         common = _overrides(data.get("overrides") or {}, "overrides", fail)
 
         entries = data.get("metrics")
@@ -274,6 +286,7 @@ class SweepSpec:
             overrides=common,
             quick=quick,
             quick_seeds=quick_seeds,
+            quick_variants=quick_variants,
             shared_fit=shared_fit,
             fits=fits,
         )

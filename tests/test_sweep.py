@@ -38,9 +38,7 @@ from ada_modules.sweep_report import format_table, plot_metrics, summarize
 FIXTURES = Path(__file__).parent / "sweep_fixtures"
 BASE = FIXTURES / "base.yaml"
 ROOT = Path(__file__).resolve().parents[1]
-ALLOWED = (
-    "base, fit, fits, grid, metrics, name, overrides, quick, quick_seeds, seeds, stages, variants"
-)
+ALLOWED = "base, fit, fits, grid, metrics, name, overrides, quick, quick_seeds, quick_variants, seeds, stages, variants"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -127,6 +125,8 @@ def test_empty_variants(tmp_path):
         ("variants: [{name: a, overrides: {--x: 1}}]\n", "bad override key '--x'"),
         ("grid: {trainer.max_steps: 3}\n", "grid key 'trainer.max_steps' must have a non-empty"),
         ("quick: [1]\n", "'quick' must be a mapping of dotted keys"),
+        ("quick_variants: []\n", "'quick_variants' must be a non-empty list of variant names"),
+        ("variants: [{name: a}]\nquick_variants: [b]\n", "names unknown variants ['b']"),
     ],
 )
 def test_bad_specs_fail_with_one_line_naming_the_key(tmp_path, text, message):
@@ -275,6 +275,18 @@ def test_editing_the_base_config_invalidates_resume(tmp_path):
     base.write_text(BASE.read_text() + "\n# edited\n", encoding="utf-8")
     after = run.record(status="ok", metrics={})
     assert before.base == after.base and not before.same_run(after)
+
+
+def test_quick_variants_limit_the_quick_profile_only(tmp_path):
+    spec = write_spec(
+        tmp_path,
+        "variants: [{name: a}, {name: b}]\ngrid: {trainer.max_steps: [1, 2]}\n"
+        "quick: {}\nquick_variants: ['b,max_steps=2']\n",
+    )
+    _, quick, _ = quietly(run_sweep, spec, out=tmp_path / "q", quick=True, dry_run=True)
+    _, full, _ = quietly(run_sweep, spec, out=tmp_path / "f", dry_run=True)
+    assert len(quick.strip().splitlines()) == 1 and "runs/b,max_steps=2/" in quick
+    assert len(full.strip().splitlines()) == 4
 
 
 def test_common_variant_and_quick_overrides_in_that_order(tmp_path):
