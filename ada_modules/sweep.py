@@ -717,7 +717,8 @@ def _report(
     spec: SweepSpec, out: Path, records: list[RunRecord], shared_fits: list[RunRecord]
 ) -> list[RunRecord]:
     """Write results.md and the plots, print the table and what was written; return the records."""
-    order = [v.name for v in spec.variants]
+    ran = {r.variant for r in records}
+    order = [v.name for v in spec.variants if v.name in ran]  # `quick_variants` may skip some
     table = format_table(records, spec.metrics, order)
     (out / "results.md").write_text(f"# {spec.name}\n\n{table}\n", encoding="utf-8")
     plots = plot_metrics(records, spec.metrics, out, order)

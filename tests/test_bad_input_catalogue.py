@@ -30,6 +30,7 @@ from ada_modules.data.mazes import generate_maze
 from ada_modules.data.pde import PDEDataModule, solve_pde
 from ada_modules.data.sudoku import generate_sudoku
 from ada_modules.errors import InputError
+from ada_modules.fl import aggregate
 from ada_modules.kernels.sparse_prefill import sparse_prefill_attention
 from ada_modules.kv import (
     AADAccumulator,
@@ -63,6 +64,8 @@ RELIABILITY = "cli_configs/reliability/study.yaml"
 AOT_POT = "cli_configs/aot_pot/pretrain.yaml"
 ANCA_MAZE = "cli_configs/anca/maze.yaml"
 AVSD = "cli_configs/avsd/sorting.yaml"
+ASAP_DIGITS = "cli_configs/asap/digits.yaml"
+ASAP_TINY = ["--trainer.logger=false", "--data.init_args.rounds=2"]
 MERGED = "--model.output_dir={tmp}/merged"  # never runs/amaris/merged
 
 
@@ -82,6 +85,12 @@ def _teacher_with_other_vocabulary() -> None:
     other = build_causal_lm(module.tokenizer, "llama", 32, 1, 2, 1, 64, 64, None)
     other.resize_token_embeddings(module.tokenizer.vocab_size + 4, mean_resizing=False)
     module.use_teacher(other)
+
+
+def _updates_with_a_nan_row() -> torch.Tensor:
+    updates = torch.arange(12.0).reshape(6, 2)
+    updates[2, 0] = float("nan")
+    return updates
 
 
 @dataclass(frozen=True)
@@ -126,7 +135,7 @@ def _warns(build: Callable[[Path], object]) -> Callable[[Path], tuple[str, str]]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             build(tmp)
-        ours = [w for w in caught if issubclass(w.category, UserWarning)]
+        ours = [w for w in caught if issubclass(w.category, (UserWarning, RuntimeWarning))]
         assert ours, [str(w.message) for w in caught]
         return str(ours[0].message), f"warns {ours[0].category.__name__}"
 
@@ -590,6 +599,49 @@ CASES = [
         "avsd",
         "`SelfDistillationModule(views=...).use_teacher(model)`, `model` with 4 more tokens",
         _raises(lambda tmp: _teacher_with_other_vocabulary()),
+    ),
+    Case(
+        "asap",
+        "`ada fit -c cli_configs/asap/digits.yaml --model.init_args.num_malicious 10` (n = 20)",
+        _cli(["fit", "-c", ASAP_DIGITS, *ASAP_TINY, "--model.init_args.num_malicious=10"]),
+    ),
+    Case(
+        "asap",
+        "`... --model.init_args.aggregator bulyan --model.init_args.num_malicious 5` (n = 20)",
+        _cli(
+            [
+                "fit",
+                "-c",
+                ASAP_DIGITS,
+                *ASAP_TINY,
+                "--model.init_args.aggregator=bulyan",
+                "--model.init_args.num_malicious=5",
+            ]
+        ),
+    ),
+    Case(
+        "asap",
+        "`... --model.init_args.aggregator multi_krum --model.init_args.aggregator_kwargs '{m: 30}'`",
+        _cli(
+            [
+                "fit",
+                "-c",
+                ASAP_DIGITS,
+                *ASAP_TINY,
+                "--model.init_args.aggregator=multi_krum",
+                "--model.init_args.aggregator_kwargs={m: 30}",
+            ]
+        ),
+    ),
+    Case(
+        "asap",
+        "`ada fit -c cli_configs/asap/digits.yaml --model.init_args.target_fraction 1.5`",
+        _cli(["fit", "-c", ASAP_DIGITS, "--model.init_args.target_fraction=1.5"]),
+    ),
+    Case(
+        "asap",
+        '`aggregate("median", updates, f=1)` with a NaN row from client 2 (the defence goes on)',
+        _warns(lambda tmp: aggregate("median", _updates_with_a_nan_row(), 1)),
     ),
     # fmt: on
     Case("sweeps", "`ada sweep missing.yaml`", _cli(["sweep", "{tmp}/missing.yaml"])),

@@ -14,7 +14,8 @@ entry, see docs/contributing.md):
 aNCA's maze solver is a model of its own: its test below trains it with each optimizer. AVSD's
 self-distillation module is a training loop of its own (sampling, teacher views, manual
 optimization): its test below trains a policy of each wrapper with each optimizer that takes plain
-parameter groups.
+parameter groups. ASAP's federated simulator is one too: its test below uses each such optimizer as
+the server optimizer (FedOpt) while ASAP attacks.
 
 Merging (AMARIS) is not a factor of a training run: it acts on checkpoints afterwards. Its test
 below merges a specialist of each wrapper into its base and generates through every cache. The
@@ -48,10 +49,22 @@ from transformers import DynamicCache
 
 import ada_modules.attention  # noqa: F401  (registers the sparse prefill attention functions)
 from ada_modules.callbacks import ConnectivityMonitor, SparsePrefillMonitor
-from ada_modules.data import EnvTaskDataModule, MazeDataModule, RecallDataModule
+from ada_modules.data import (
+    DigitsDataModule,
+    EnvTaskDataModule,
+    FederatedDataModule,
+    MazeDataModule,
+    RecallDataModule,
+)
+from ada_modules.fl import ASAP
 from ada_modules.kv import AdaKVQCache, ADKVCache, KIVICache
 from ada_modules.merging import amaris, collect_activation_stats, output_deviation
-from ada_modules.models import CausalLMModule, MazeNCAModule, SelfDistillationModule
+from ada_modules.models import (
+    CausalLMModule,
+    FederatedSimulationModule,
+    MazeNCAModule,
+    SelfDistillationModule,
+)
 from ada_modules.nn import ConnectivityWrapper, StreamsWrapper
 from ada_modules.optim import AcceleGradSharp, Muon, Scion
 from ada_modules.posttrain.envs import SortingEnv
@@ -524,3 +537,26 @@ def test_self_distillation_trains_a_policy_of_each_wrapper_with_each_optimizer(w
     teacher = module.teacher_model()
     assert teacher is not module.model
     assert [type(m) for m in teacher.modules()] == [type(m) for m in module.model.modules()]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "accelegrad_sharp"])
+def test_federated_training_under_asap_steps_the_server_optimizer(optimizer):
+    """ASAP: the federated simulator is a training loop of its own (clients, a rule, an attack),
+    and of the matrix's factors only the optimizer reaches it, as the server optimizer (FedOpt)
+    stepped with the negated aggregate. With each optimizer that takes plain parameters, clean
+    rounds raise the server's accuracy, then ASAP under the median runs to the end with finite
+    weights. Wrappers, caches and attention do not apply to its MLP."""
+    seed_everything(0)
+    lr = {"adamw": 1e-2, "accelegrad_sharp": 0.05}[optimizer]
+    module = FederatedSimulationModule(
+        aggregator="median", attack=ASAP(direction="mean"), num_malicious=2, attack_start=12,
+        server_optimizer=partial(OPTIMIZERS[optimizer]["optimizer"].func, lr=lr),
+    )  # fmt: skip
+    data = FederatedDataModule(DigitsDataModule(seed=0), num_clients=10, rounds=20)
+    Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, num_sanity_val_steps=0,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(module, datamodule=data)  # fmt: skip
+    assert module.curve[11] > module.curve[0] + 0.3, module.curve
+    assert len(module.curve) == 20 and module.kept
+    assert all(torch.isfinite(p).all() for p in module.parameters())

@@ -5,10 +5,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.utils import vector_to_parameters
+from torch.optim import Optimizer
 
 from ada_modules.data.federated import FederatedDataModule
 from ada_modules.errors import InputError
@@ -27,7 +29,9 @@ class FederatedSimulationModule(LightningModule):
     step is a round: every client computes its update at the global parameters (vectorised,
     :func:`~ada_modules.fl.clients.client_updates`); from round ``attack_start`` on, the last
     ``num_malicious`` clients replace theirs by the ``attack``'s; the server aggregates with
-    ``aggregator`` and adds ``server_lr`` times the result. Before each round the server measures
+    ``aggregator`` and adds ``server_lr`` times the result, or, with ``server_optimizer``
+    (FedOpt: FedAdam with ``torch.optim.Adam``, or any optimizer of :mod:`ada_modules.optim`),
+    steps that optimizer with the negated aggregate as gradient. Before each round the server measures
     its accuracy on the validation split (the curve of the round-complexity metrics), and the
     attackers measure theirs on their auxiliary set (``FederatedDataModule.auxiliary``: what a
     feedback attack such as :class:`~ada_modules.fl.ASAP` steers).
@@ -53,7 +57,9 @@ class FederatedSimulationModule(LightningModule):
         num_malicious: ``f``, the last ``f`` clients.
         algorithm: ``"fedsgd"`` or ``"fedavg"`` (local steps come from the data).
         client_lr: Clients' SGD learning rate.
-        server_lr: Step on the aggregate.
+        server_lr: Step on the aggregate (without ``server_optimizer``).
+        server_optimizer: ``params -> Optimizer`` stepped with ``-aggregate`` as the gradient of
+            the global parameters (``None``: plain addition).
         attack_start: First attacked round (the model trains clean before).
         target_fraction: The objective as a share of the clean accuracy, in ``(0, 1)``.
         band: Half-width of the target band (``> 0``).
@@ -87,6 +93,7 @@ class FederatedSimulationModule(LightningModule):
         algorithm: str = "fedsgd",
         client_lr: float = 0.5,
         server_lr: float = 1.0,
+        server_optimizer: OptimizerCallable | None = None,
         attack_start: int = 20,
         target_fraction: float = 0.5,
         band: float = 0.05,
@@ -118,7 +125,7 @@ class FederatedSimulationModule(LightningModule):
                 raise InputError(f"{name} must be > 0, got {value!r}")
         if attack is not None and num_malicious == 0:
             raise InputError("an attack needs num_malicious >= 1 malicious clients, got 0")
-        self.save_hyperparameters(ignore=["attack"])
+        self.save_hyperparameters(ignore=["attack", "server_optimizer"])
         self.aggregator = aggregator
         self.aggregator_kwargs = dict(aggregator_kwargs or {})
         self.attack = attack
@@ -126,6 +133,7 @@ class FederatedSimulationModule(LightningModule):
         self.algorithm = algorithm
         self.client_lr = client_lr
         self.server_lr = server_lr
+        self.server_optimizer = server_optimizer
         self.attack_start = attack_start
         self.target_fraction = target_fraction
         self.band = band
@@ -146,8 +154,11 @@ class FederatedSimulationModule(LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.model(x)
 
-    def configure_optimizers(self) -> None:
-        return None  # the server applies the aggregate itself
+    def configure_optimizers(self) -> Optimizer | None:
+        """The ``server_optimizer`` over the global model, or ``None`` (the aggregate is added)."""
+        if self.server_optimizer is None:
+            return None
+        return self.server_optimizer(self.model.parameters())
 
     def _data(self) -> FederatedDataModule:
         data = self.trainer.datamodule
@@ -157,7 +168,9 @@ class FederatedSimulationModule(LightningModule):
             )
         return data
 
-    def on_fit_start(self) -> None:
+    def prepare_data(self) -> None:
+        """Checks the rule, the attack and the data against each other (before anything is
+        written)."""
         n, f = self._data().num_clients, self.num_malicious
         if 2 * f >= n:
             raise InputError(f"num_malicious={f} of num_clients={n}: must be < n/2")
@@ -179,6 +192,12 @@ class FederatedSimulationModule(LightningModule):
                 "the attackers measure the global model on their auxiliary set: set the data's "
                 "auxiliary_size > 0"
             )
+        probe = dict(self.aggregator_kwargs)
+        if self.aggregator == "fltrust":
+            probe["root_update"] = torch.ones(2)
+        aggregate(self.aggregator, torch.zeros(n, 2), f, **probe)  # the rule's own arguments
+
+    def on_fit_start(self) -> None:
         self.curve, self.kept, self._clean, self._last_aggregate = [], [], {}, None
         self.diverged_at = None
         if self.attack is not None:
@@ -261,8 +280,17 @@ class FederatedSimulationModule(LightningModule):
             self.kept.append(kept)
             logs["train/malicious_kept"] = kept
         self._last_aggregate = result.update
-        flat = flat + self.server_lr * result.update.to(flat)
-        vector_to_parameters(flat, self.model.parameters())
+        update = result.update.to(flat)
+        if self.server_optimizer is None:
+            vector_to_parameters(flat + self.server_lr * update, self.model.parameters())
+        else:
+            optimizer = self.optimizers()
+            gradients = unflatten_params(self.model, -update)
+            for name, param in self.model.named_parameters():
+                param.grad = gradients[name].clone()
+            optimizer.step()
+            optimizer.zero_grad()
+        flat = flatten_params(self.model)
         self.curve.append(self._accuracy(flat, *data.eval_tensors("val")))
         logs["train/accuracy"] = self.curve[-1]
         self.log_dict(logs, batch_size=1)

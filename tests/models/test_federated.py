@@ -135,3 +135,38 @@ def test_settings_that_do_not_fit_the_data_fail_before_the_first_round(
     with pytest.raises(ValueError, match=match):
         _fit(cpu_trainer, module, _data(**data_kwargs))
     assert module.curve == []
+
+
+def test_a_server_optimizer_steps_with_the_negated_aggregate(seed, cpu_trainer):
+    """FedOpt: with SGD(lr=1) as the server optimizer, a round equals adding the aggregate."""
+    plain = FederatedSimulationModule(num_malicious=0)
+    fedopt = FederatedSimulationModule(
+        num_malicious=0, server_optimizer=lambda params: torch.optim.SGD(params, lr=1.0)
+    )
+    fedopt.load_state_dict(plain.state_dict())
+    _fit(cpu_trainer, plain, _data(rounds=3))
+    _fit(cpu_trainer, fedopt, _data(rounds=3))
+    for a, b in zip(plain.parameters(), fedopt.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "--model.init_args.num_malicious=10",
+        "--model.init_args.aggregator_kwargs={tau: -1.0}",
+    ],
+)
+def test_a_bad_setting_is_refused_before_the_cli_writes_anything(tmp_path, bad):
+    from pathlib import Path
+
+    from ada_modules.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "cli_configs" / "asap" / "digits.yaml"
+    args = ["fit", "-c", str(config), f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--model.init_args.aggregator=centered_clipping", bad]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    assert list(tmp_path.rglob("*")) == []
