@@ -23,7 +23,7 @@ __all__ = ["FederatedSimulationModule"]
 
 
 class FederatedSimulationModule(LightningModule):
-    """Federated training of an MLP under a robust aggregation rule and a poisoning attack.
+    """Federated training of a model under a robust aggregation rule and a poisoning attack.
 
     Needs a :class:`~ada_modules.data.FederatedDataModule` (one item per round). Each training
     step is a round: every client computes its update at the global parameters (vectorised,
@@ -50,6 +50,8 @@ class FederatedSimulationModule(LightningModule):
         in_features: Input size of the MLP (64 for 8x8 digits).
         num_classes: Classes.
         hidden_sizes: Hidden widths of the MLP (ReLU).
+        model: Any classifier to train instead of the MLP (no buffers updated in the forward pass,
+            e.g. GroupNorm rather than BatchNorm: clients are vectorised with ``torch.func``).
         aggregator: A rule of :data:`~ada_modules.fl.aggregators.AGGREGATORS`.
         aggregator_kwargs: Its extra arguments (e.g. ``{"tau": 1.0}``); FLTrust's root update and
             centered clipping's centre (the previous aggregate) are supplied here.
@@ -86,6 +88,7 @@ class FederatedSimulationModule(LightningModule):
         in_features: int = 64,
         num_classes: int = 10,
         hidden_sizes: Sequence[int] = (64,),
+        model: nn.Module | None = None,
         aggregator: str = "mean",
         aggregator_kwargs: dict[str, Any] | None = None,
         attack: Attack | None = None,
@@ -125,7 +128,7 @@ class FederatedSimulationModule(LightningModule):
                 raise InputError(f"{name} must be > 0, got {value!r}")
         if attack is not None and num_malicious == 0:
             raise InputError("an attack needs num_malicious >= 1 malicious clients, got 0")
-        self.save_hyperparameters(ignore=["attack", "server_optimizer"])
+        self.save_hyperparameters(ignore=["attack", "server_optimizer", "model"])
         self.aggregator = aggregator
         self.aggregator_kwargs = dict(aggregator_kwargs or {})
         self.attack = attack
@@ -140,11 +143,13 @@ class FederatedSimulationModule(LightningModule):
         self.window = window
         self.tail_rounds = tail_rounds
         self.automatic_optimization = False
-        widths = [in_features, *hidden_sizes]
-        layers: list[nn.Module] = []
-        for width_in, width_out in zip(widths[:-1], widths[1:], strict=True):
-            layers += [nn.Linear(width_in, width_out), nn.ReLU()]
-        self.model = nn.Sequential(*layers, nn.Linear(widths[-1], num_classes))
+        if model is None:
+            widths = [in_features, *hidden_sizes]
+            layers: list[nn.Module] = []
+            for width_in, width_out in zip(widths[:-1], widths[1:], strict=True):
+                layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+            model = nn.Sequential(*layers, nn.Linear(widths[-1], num_classes))
+        self.model = model
         self.curve: list[float] = []
         self.kept: list[float] = []
         self._clean: dict[str, float] = {}
