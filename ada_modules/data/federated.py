@@ -56,7 +56,7 @@ class FederatedDataModule(LightningDataModule):
         auxiliary_size: Samples of the attackers' auxiliary set (0: none).
         seed: Seed of the root set, the partition and the batches (``None``: ``data.seed``).
 
-    Example:
+    Examples:
         >>> from ada_modules.data import DigitsDataModule
         >>> dm = FederatedDataModule(DigitsDataModule(seed=0), num_clients=5, rounds=3)
         >>> dm.setup("fit")

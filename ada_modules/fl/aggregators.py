@@ -6,7 +6,7 @@ update that entered the result (see :class:`~ada_modules.fl.attack.Aggregation`)
 :func:`aggregate`, which validates the input and drops non-finite rows before the rule runs; the
 rules can also be called directly (they validate their own requirements).
 
-Example:
+Examples:
     >>> import torch
     >>> updates = torch.tensor([[1.0, 2.0], [1.2, 1.8], [0.8, 2.2], [0.9, 2.1], [1e6, -1e6]])
     >>> result = aggregate("median", updates, f=1)
@@ -313,8 +313,9 @@ def max_tolerated(name: str, n: int) -> int:
     ``trimmed_mean``, ``fltrust`` and ``centered_clipping`` accept any ``f < n/2``; ``krum`` and
     ``multi_krum`` need ``n >= 2f + 3``, ``bulyan`` ``n >= 4f + 3``.
 
-    >>> [max_tolerated(name, 7) for name in ("mean", "krum", "bulyan")]
-    [3, 2, 1]
+    Examples:
+        >>> [max_tolerated(name, 7) for name in ("mean", "krum", "bulyan")]
+        [3, 2, 1]
     """
     if not _is_int(n) or n < 0:
         raise InputError(f"n (clients) must be an int >= 0, got {n!r}")

@@ -37,7 +37,7 @@ reconstruction (the paper's code is not public) maps the pieces as follows:
 The attack uses the benign updates, its measurement and the global model it receives, never the
 rule itself (aggregation-rule agnostic).
 
-Example:
+Examples:
     >>> import torch
     >>> from ada_modules.fl.attack import AttackContext
     >>> attack = ASAP()

@@ -6,7 +6,7 @@ server applies ``theta <- theta + server_lr * aggregate(updates)``. The attacker
 (the common threat model of LIE, Min-Max and Fang): they see the benign clients' updates of the
 round before crafting theirs.
 
-Example:
+Examples:
     >>> import torch
     >>> class Flip(Attack):
     ...     def craft(self, benign, context):

@@ -4,7 +4,7 @@ Each attack sees the ``(n - f, d)`` benign updates of a round (the omniscient th
 returns the ``(f, d)`` malicious ones, ``f = context.num_malicious``, on the benign tensor's device
 and dtype. ``ATTACKS`` maps the names used by configs to the classes.
 
-Example:
+Examples:
     >>> import torch
     >>> from ada_modules.fl.attack import AttackContext
     >>> benign = torch.randn(8, 5, generator=torch.Generator().manual_seed(0))

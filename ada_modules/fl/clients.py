@@ -9,7 +9,7 @@ sizes vectorise). :func:`client_updates` returns every client's update (the conv
 local parameters after ``local_steps`` plain SGD steps minus the global parameters, one fresh batch
 per step.
 
-Example:
+Examples:
     >>> import torch
     >>> model = torch.nn.Linear(3, 2)
     >>> flat = flatten_params(model)

@@ -11,7 +11,7 @@ disjoint and together cover every sample exactly once; equal arguments give equa
   approaches the IID split. The draw is repeated until every client has at least ``min_size``
   samples, at most :data:`MAX_TRIES` times.
 
-Example:
+Examples:
     >>> import torch
     >>> labels = torch.arange(10) % 2
     >>> [part.tolist() for part in partition(labels, 3, seed=0)]

@@ -1,6 +1,6 @@
 """Attack round complexity: rounds to reach and stay near a target, and the deviation after.
 
-Example:
+Examples:
     >>> accuracy = [0.9, 0.7, 0.51, 0.46, 0.47, 0.44, 0.45, 0.3]
     >>> rounds_to_reach_and_stay(accuracy, target=0.45, band=0.05, window=3)
     3

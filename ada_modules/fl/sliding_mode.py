@@ -22,7 +22,7 @@ Gao's discrete reaching law ``s[t+1] = (1 - q) s[t] - eps[t] * sat(s[t] / phi)``
 ``b_hat`` keeps the sign of the initial guess ``gain`` and at least ``min_gain_ratio`` of its
 magnitude, so the control never flips direction on a poor estimate.
 
-Example:
+Examples:
     >>> import math
     >>> controller = SlidingModeController(target=0.3, gain=-1.0, u_max=1.0)
     >>> y = 0.9

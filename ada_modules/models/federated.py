@@ -68,7 +68,7 @@ class FederatedSimulationModule(LightningModule):
         window: Consecutive rounds in the band that count as reaching it.
         tail_rounds: Rounds of ``final_deviation``.
 
-    Example:
+    Examples:
         >>> from lightning.pytorch import Trainer
         >>> from ada_modules.data import DigitsDataModule
         >>> from ada_modules.fl import ASAP
