@@ -75,11 +75,11 @@ def _check_f(f: object) -> int:
     return int(f)  # type: ignore[arg-type]
 
 
-def _require(name: str, n: int, f: int, note: str = "") -> None:
+def _require(name: str, n: int, f: int) -> None:
     condition, bound = _BOUNDS[name]
     if f > bound(n):
         allowed = f"at most f={bound(n)}" if bound(n) >= 0 else "it cannot run"
-        raise InputError(f"{name} needs {condition}, got n={n}, f={f} ({allowed} with n={n}){note}")
+        raise InputError(f"{name} needs {condition}, got n={n}, f={f} ({allowed} with n={n})")
 
 
 def _check(name: str, updates: Tensor, f: int) -> tuple[int, int]:
@@ -326,15 +326,15 @@ def aggregate(name: str, updates: Tensor, f: int, **rule_kwargs: object) -> Aggr
     """Validate, drop the non-finite rows and run rule ``name``: the simulator's entry point.
 
     Rows with any NaN/inf are dropped with a ``RuntimeWarning`` naming them; their ``kept`` is 0.
-    ``f`` stays as given (a dropped row is not assumed malicious), so the rule's bound must hold
-    for the rows left, else :class:`InputError` says how many were dropped.
+    A dropped row is a detected faulty client, so it counts against the Byzantine budget: the rule
+    runs on the ``n - d`` rows left with ``f - d`` (at least 0), for which its bound still holds.
 
     >>> updates = torch.tensor([[1.0], [2.0], [float("nan")], [2.5], [4.0], [5.0]])
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
     ...     result = aggregate("krum", updates, f=1)
-    >>> result.kept
-    tensor([0., 1., 0., 0., 0., 0.])
+    >>> result.kept  # Krum with f = 0 on the 5 finite rows
+    tensor([0., 0., 0., 1., 0., 0.])
     >>> print(caught[0].message)
     aggregate('krum'): dropped 1 of 6 updates with NaN/inf values (clients [2]); their kept is 0
     """
@@ -353,15 +353,13 @@ def aggregate(name: str, updates: Tensor, f: int, **rule_kwargs: object) -> Aggr
     dropped = (~finite).nonzero().flatten().tolist()
     if len(dropped) == n:
         raise InputError(f"all n={n} updates have NaN or inf values; nothing to aggregate")
-    note = f" after dropping {len(dropped)} non-finite updates (clients {dropped})"
-    _require(name, n - len(dropped), f, note)
     warnings.warn(
         f"aggregate({name!r}): dropped {len(dropped)} of {n} updates with NaN/inf values "
         f"(clients {dropped}); their kept is 0",
         RuntimeWarning,
         stacklevel=2,
     )
-    result = rule(updates[finite], f, **rule_kwargs)
+    result = rule(updates[finite], max(f - len(dropped), 0), **rule_kwargs)
     kept = torch.zeros(n, dtype=result.kept.dtype, device=result.kept.device)
     kept[finite] = result.kept
     return Aggregation(result.update, kept)

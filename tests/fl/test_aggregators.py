@@ -326,11 +326,13 @@ def test_every_rule_survives_a_nan_row(name):
     assert bool(torch.isfinite(result.update).all()) and result.kept[0] == 0
 
 
-def test_too_many_dropped_rows_or_all_non_finite():
+def test_dropped_rows_count_against_f_or_all_non_finite():
     updates = _random(0, n=11)
-    updates[[1, 5]] = math.nan  # 9 finite rows left: bulyan with f=2 needs 11
-    with pytest.raises(InputError, match=r"bulyan needs .*after dropping 2 .*clients \[1, 5\]"):
-        aggregate("bulyan", updates, 2)
+    updates[[1, 5]] = math.nan  # 9 finite rows left: bulyan with f=2 would need 11
+    with pytest.warns(RuntimeWarning, match=r"dropped 2 of 11 .*clients \[1, 5\]"):
+        result = aggregate("bulyan", updates, 2)
+    finite = torch.isfinite(updates).all(dim=1)
+    torch.testing.assert_close(result.update, bulyan(updates[finite], 0).update)  # f - 2 = 0
     with pytest.raises(InputError, match="all n=3 updates have NaN or inf"):
         aggregate("mean", torch.full((3, 2), math.nan), 1)
 
