@@ -79,10 +79,25 @@ def test_sweep_spec_validates(spec):
 
 @pytest.mark.parametrize("spec", SPECS, ids=_ids(SPECS))
 def test_every_variant_of_the_sweep_parses(spec, tmp_path, capsys):
+    """Every variant of the quick profile (all of them, unless it names `quick_variants`)."""
     assert run_sweep(spec, out=tmp_path, quick=True, dry_run=True) == []
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ada ")]
     parsed = SweepSpec.from_yaml(spec)
-    assert len(lines) >= len(parsed.variants) * len(parsed.quick_seeds or parsed.seeds)
+    variants = parsed.quick_variants or parsed.variants
+    assert len(lines) >= len(variants) * len(parsed.quick_seeds or parsed.seeds)
+
+
+LARGE_SPECS = [path for path in SPECS if SweepSpec.from_yaml(path).quick_variants is not None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", LARGE_SPECS, ids=_ids(LARGE_SPECS))
+def test_every_variant_of_a_sweep_with_quick_variants_parses(spec, tmp_path, capsys):
+    """The variants that such a quick profile skips, through the full profile's dry run."""
+    assert run_sweep(spec, out=tmp_path, dry_run=True) == []
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("ada ")]
+    parsed = SweepSpec.from_yaml(spec)
+    assert len(lines) >= len(parsed.variants) * len(parsed.seeds)
 
 
 SMOKE_SPECS = [path for path in SPECS if path not in REPROS]

@@ -261,6 +261,8 @@ class FangKrum(Attack):
             )
         direction, k = torch.sign(benign.mean(0)), benign.shape[0]
         lam, selected = self.lambda_init(benign, context.num_clients, f), False
+        if not math.isfinite(lam):  # benign updates so large that the bound overflows
+            lam = torch.finfo(benign.dtype).max
         while lam >= self.threshold:
             rows = _repeat(-lam * direction, f, benign)
             kept = context.aggregator(torch.cat([benign, rows])).kept

@@ -222,3 +222,14 @@ def test_bad_craft_inputs() -> None:
     with pytest.raises(InputError, match="num_malicious"):
         IPM().craft(make_benign(), zero)
     assert NoAttack().craft(make_benign(), zero).shape == (0, D)
+
+
+def test_fang_krum_ends_when_the_benign_updates_overflow_its_bound():
+    """A diverged model's huge updates make the paper's bound infinite; the search still ends."""
+    benign = torch.full((6, 3), 3e38)
+    benign[0] = -3e38
+    context = AttackContext(
+        num_clients=8, num_malicious=2, round=0, aggregator=lambda u: Aggregation(u[0], u[:, 0] * 0)
+    )
+    rows = FangKrum().craft(benign, context)
+    assert rows.shape == (2, 3) and torch.isfinite(rows).all()
