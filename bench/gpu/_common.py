@@ -113,6 +113,19 @@ def write_json(slug: str, payload: dict[str, Any]) -> None:
         print(f"wrote {path}")
 
 
+def finish_runs(
+    slug: str, device: str, quick: bool, begin: float, skipped: list[str], runs: list[Any]
+) -> None:
+    """Say what the time guard skipped and the elapsed time; write ``$OUT/<slug>.json`` with
+    every run (the end of a script that runs arms until its time guard stops it)."""
+    elapsed = time.perf_counter() - begin
+    if skipped:
+        print(f"\nskipped by the time guard: {', '.join(skipped)}")
+    print(f"\nelapsed: {elapsed:.1f} s")
+    payload = {"device": device, "torch": torch.__version__, "quick": quick}
+    write_json(slug, {**payload, "elapsed_s": elapsed, "skipped": skipped, "results": runs})
+
+
 def median_ms(fn: Callable[[], Any], device: torch.device, rep_ms: int = 60) -> float:
     """Median milliseconds of ``fn`` (``do_bench`` on CUDA, ``perf_counter`` repeats on CPU)."""
     if device.type == "cuda" and do_bench is not None:

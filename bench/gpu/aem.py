@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import bench_device, mean_std, write_json  # bench/gpu/_common.py
+from _common import bench_device, finish_runs, mean_std  # bench/gpu/_common.py
 from lightning.pytorch import Trainer, seed_everything
 
 from ada_modules.data import EnvTaskDataModule
@@ -187,21 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             + " | ".join(cells)
             + f" | {mean_std([r['wall_s'] for r in rows])} |"
         )
-    elapsed = time.perf_counter() - start
-    if skipped:
-        print(f"\nskipped by the time guard: {', '.join(skipped)}")
-    print(f"\nelapsed: {elapsed:.1f} s")
-    write_json(
-        SLUG,
-        {
-            "device": name,
-            "torch": torch.__version__,
-            "quick": args.quick,
-            "elapsed_s": elapsed,
-            "skipped": skipped,
-            "results": runs,
-        },
-    )
+    finish_runs(SLUG, name, args.quick, start, skipped, runs)
     return 0
 
 

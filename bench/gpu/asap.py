@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import bench_device, write_json  # bench/gpu/_common.py
+from _common import bench_device, finish_runs  # bench/gpu/_common.py
 from lightning.pytorch import Trainer, seed_everything
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -187,21 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for record in runs:
         cells = " | ".join(cell(record[m]) for m in METRICS)
         print(f"| {record['rule']} | {record['attack']} | {cells} | {record['s_per_round']:.3f} |")
-    elapsed = time.perf_counter() - begin
-    if skipped:
-        print(f"\nskipped by the time guard: {', '.join(skipped)}")
-    print(f"\nelapsed: {elapsed:.1f} s")
-    write_json(
-        SLUG,
-        {
-            "device": name,
-            "torch": torch.__version__,
-            "quick": args.quick,
-            "elapsed_s": elapsed,
-            "skipped": skipped,
-            "results": runs,
-        },
-    )
+    finish_runs(SLUG, name, args.quick, begin, skipped, runs)
     return 0
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import bench_device, mean_std, write_json  # bench/gpu/_common.py
+from _common import bench_device, finish_runs, mean_std  # bench/gpu/_common.py
 from lightning.pytorch import Trainer, seed_everything
 
 from ada_modules.data import EnvTaskDataModule
@@ -225,21 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| no view | {mean_std([r['val/success_start'] for r in first])} |")
     for view in VIEWS:
         print(f"| {view} view | {mean_std([r[f'teacher_{view}'] for r in first])} |")
-    elapsed = time.perf_counter() - begin
-    if skipped:
-        print(f"\nskipped by the time guard: {', '.join(skipped)}")
-    print(f"\nelapsed: {elapsed:.1f} s")
-    write_json(
-        SLUG,
-        {
-            "device": name,
-            "torch": torch.__version__,
-            "quick": args.quick,
-            "elapsed_s": elapsed,
-            "skipped": skipped,
-            "results": runs,
-        },
-    )
+    finish_runs(SLUG, name, args.quick, begin, skipped, runs)
     return 0
 
 
