@@ -68,6 +68,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--device`` (cuda, or cpu for a smoke test), ``--quick`` and ``--budget-s``."""
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="time guard in seconds")
+
+
 def add_only_argument(parser: argparse.ArgumentParser) -> None:
     """Add ``--only a,b``: run just these sections (e.g. one skipped by the time guard before)."""
     parser.add_argument(

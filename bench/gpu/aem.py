@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import bench_device, finish_runs, mean_std  # bench/gpu/_common.py
+from _common import add_run_arguments, bench_device, finish_runs, mean_std  # bench/gpu/_common.py
 from lightning.pytorch import Trainer, seed_everything
 
 from ada_modules.data import EnvTaskDataModule
@@ -147,9 +147,7 @@ def run_arm(arm: str, seed: int, size: Size, device: torch.device) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="time guard in seconds")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     found = bench_device(args.device)
     if found is None:

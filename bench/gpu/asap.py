@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import bench_device, finish_runs  # bench/gpu/_common.py
+from _common import add_run_arguments, bench_device, finish_runs  # bench/gpu/_common.py
 from lightning.pytorch import Trainer, seed_everything
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -159,9 +159,7 @@ def cell(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="time guard in seconds")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     found = bench_device(args.device)
     if found is None:
