@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 QUICKSTART := cli_configs/quickstart.yaml
+# pytest-xdist workers for the test targets: one per core by default (each worker and the
+# processes it starts use one thread; see tests/conftest.py).
+TEST_WORKERS ?= auto
 
 .PHONY: install demo test test-slow docs bench bench-gpu clean
 
@@ -21,10 +24,10 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -m "not slow"
+	$(BIN)/pytest -n $(TEST_WORKERS) -m "not slow"
 
 test-slow: install
-	$(BIN)/pytest -m slow
+	$(BIN)/pytest -n $(TEST_WORKERS) -m slow
 
 docs: install
 	$(BIN)/mkdocs build --strict

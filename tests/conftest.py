@@ -10,6 +10,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (``make test`` runs one worker per core) each worker gets one thread, and so
+# do the processes it starts (CLI and sweep runs), so that workers do not fight over the cores.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 
