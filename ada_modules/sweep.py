@@ -26,6 +26,9 @@ A sweep spec is a YAML mapping; ``base`` and ``metrics`` are required::
           test: {trainer.precision: bf16-true}
     grid:                            # ... and/or a grid: the cartesian product of the values,
       model.init_args.num_heads: [2, 4]  # named `num_heads=2`, ... (combined with every variant)
+      size:                          # a named axis: each point sets several keys together,
+        narrow: {model.init_args.intermediate_size: 128}  # named `size=narrow`, ...
+        wide: {model.init_args.intermediate_size: 512, model.init_args.hidden_size: 96}
     seeds: [0, 1]                    # set as `seed_everything`; default [0]
     metrics:                         # logged metric names to collect and compare
       - test/exact_match             # mode `max`, except names containing loss, err,
@@ -35,7 +38,7 @@ A sweep spec is a YAML mapping; ``base`` and ``metrics`` are required::
                                      # (after `overrides` and the variant's, so they win)
       trainer.max_steps: 20
     quick_seeds: [0]                 # seeds used by `--quick` (default: `seeds`)
-    quick_variants: ["small,num_heads=2"]  # variants run by `--quick`, full names (default: all)
+    quick_variants: ["small,num_heads=2,size=narrow"]  # variants run by `--quick` (default: all)
     name: quickstart                 # default output folder is sweeps/<name>; default name: the
                                      # file stem (the folder name for a file called repro.yaml)
 

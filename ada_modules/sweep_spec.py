@@ -292,28 +292,38 @@ class SweepSpec:
         )
 
 
-def expand_grid(grid: dict[str, list[Any]]) -> list[Variant]:
+def expand_grid(grid: dict[str, list[Any] | dict[str, dict[str, Any]]]) -> list[Variant]:
     """The cartesian product of a grid of overrides, one auto-named variant per point.
 
-    A variant is named ``key=value,...`` with the last part of each dotted key (the full key
-    where two keys share their last part).
+    A key with a list of values is a dotted override key; its part of a variant's name is
+    ``key=value`` with the key's last part (the full key where two keys share their last part).
+    A key with a mapping is a *named axis*: each of its points is a name with a mapping of
+    overrides, applied together, and named ``key=name``.
 
     Example::
 
         >>> [v.name for v in expand_grid({"model.init_args.lr": [0.1, 0.01], "trainer.a.b": [1]})]
         ['lr=0.1,b=1', 'lr=0.01,b=1']
+        >>> judges = {"judge": {"good": {"data.acc": 0.9}, "bad": {"data.acc": 0.2, "data.b": 1}}}
+        >>> [(v.name, v.overrides) for v in expand_grid(judges)][1]
+        ('judge=bad', {'data.acc': 0.2, 'data.b': 1})
     """
     keys = list(grid)
     last = [key.rsplit(".", 1)[-1] for key in keys]
     labels = [
         short if last.count(short) == 1 else key for key, short in zip(keys, last, strict=True)
     ]
+    axes = [
+        list(values.items())
+        if isinstance(values, dict)
+        else [(_value_text(v), {key: v}) for v in values]
+        for key, values in grid.items()
+    ]
     variants = []
-    for values in itertools.product(*(grid[key] for key in keys)):
-        name = ",".join(
-            f"{label}={_value_text(v)}" for label, v in zip(labels, values, strict=True)
-        )
-        variants.append(Variant(name, dict(zip(keys, values, strict=True))))
+    for points in itertools.product(*axes):
+        name = ",".join(f"{label}={text}" for label, (text, _) in zip(labels, points, strict=True))
+        overrides = {k: v for _, point in points for k, v in point.items()}
+        variants.append(Variant(name, overrides))
     return variants
 
 
@@ -405,8 +415,19 @@ def _variants(data: dict[str, Any], stages: list[str], folder: Path, fail: _Fail
             raise fail("'grid' must be a non-empty mapping of dotted keys to lists of values")
         _overrides(grid, "grid", fail)
         for key, values in grid.items():
-            if not isinstance(values, list) or not values:
-                raise fail(f"grid key {key!r} must have a non-empty list of values")
+            if isinstance(values, dict) and values:
+                for point, overrides in values.items():
+                    if not isinstance(overrides, dict) or not overrides:
+                        raise fail(
+                            f"grid axis {key!r}: point {point!r} must be a non-empty mapping of "
+                            "dotted keys to values"
+                        )
+                    _overrides(overrides, f"grid.{key}.{point}", fail)
+            elif not isinstance(values, list) or not values:
+                raise fail(
+                    f"grid key {key!r} must have a non-empty list of values (or, as a named "
+                    "axis, a mapping of point names to overrides)"
+                )
         points = expand_grid(grid)
         if "variants" not in data:
             variants = points

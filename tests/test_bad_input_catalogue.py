@@ -46,6 +46,7 @@ from ada_modules.models.causal_lm import build_causal_lm
 from ada_modules.nn import MultiStreamResidual, NeuralCellularAutomaton, wrap_timm
 from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
 from ada_modules.optim.param_groups import check_param_coverage
+from ada_modules.posttrain.abc import estimate_mean, preference_loss
 from ada_modules.reliability import (
     DiversityCombining,
     KNNRouter,
@@ -66,6 +67,7 @@ ANCA_MAZE = "cli_configs/anca/maze.yaml"
 AVSD = "cli_configs/avsd/sorting.yaml"
 ASAP_DIGITS = "cli_configs/asap/digits.yaml"
 ASAP_TINY = ["--trainer.logger=false", "--data.init_args.rounds=2"]
+ABC_REWARD = "cli_configs/abc_align/reward_model.yaml"
 MERGED = "--model.output_dir={tmp}/merged"  # never runs/amaris/merged
 
 
@@ -642,6 +644,31 @@ CASES = [
         "asap",
         '`aggregate("median", updates, f=1)` with a NaN row from client 2 (the defence goes on)',
         _warns(lambda tmp: aggregate("median", _updates_with_a_nan_row(), 1)),
+    ),
+    Case(
+        "abc_align",
+        "`ada fit -c cli_configs/abc_align/reward_model.yaml --data.init_args.judge_accuracy 1.5`",
+        _cli(["fit", "-c", ABC_REWARD, "--data.init_args.judge_accuracy=1.5"]),
+    ),
+    Case(
+        "abc_align",
+        "`... --model.init_args.estimator ppi+` (misspelled `ppi++`)",
+        _cli(["fit", "-c", ABC_REWARD, "--model.init_args.estimator=ppi+"]),
+    ),
+    Case(
+        "abc_align",
+        "`ada fit -c cli_configs/abc_align/reward_model.yaml --data.init_args.num_labelled 1`",
+        _cli(["fit", "-c", ABC_REWARD, "--data.init_args.num_labelled=1"]),
+    ),
+    Case(
+        "abc_align",
+        "`preference_loss(torch.zeros(2), torch.tensor([0.0, 2.0]))` (a label outside [0, 1])",
+        _raises(lambda tmp: preference_loss(torch.zeros(2), torch.tensor([0.0, 2.0]))),
+    ),
+    Case(
+        "abc_align",
+        '`estimate_mean(human, judge, judge_unlabelled, "ppi++")` with one human label',
+        _raises(lambda tmp: estimate_mean(torch.ones(1), torch.ones(1), torch.ones(100), "ppi++")),
     ),
     # fmt: on
     Case("sweeps", "`ada sweep missing.yaml`", _cli(["sweep", "{tmp}/missing.yaml"])),

@@ -1019,3 +1019,72 @@ def test_a_variant_base_needs_named_fits_not_a_shared_fit(tmp_path):
     spec = write_spec(tmp_path, "fit: {}\nvariants: [{name: a, base: other.yaml}]\n")
     with pytest.raises(SweepSpecError, match="variant 'a' has its own 'base', but a shared 'fit'"):
         SweepSpec.from_yaml(spec)
+
+
+# --- named grid axes ----------------------------------------------------------------------------
+
+
+def test_named_grid_axis_sets_its_keys_together_times_the_listed_variants(tmp_path):
+    spec = SweepSpec.from_yaml(
+        write_spec(
+            tmp_path,
+            "variants:\n  - {name: kivi, overrides: {model.init_args.cache: kivi}}\n"
+            "  - {name: ada}\n"
+            "grid:\n"
+            "  judge:\n"
+            "    good: {data.init_args.judge_accuracy: 0.9}\n"
+            "    biased: {data.init_args.judge_accuracy: 0.8, data.init_args.length_bias: 1.0}\n"
+            "  model.init_args.bits: [2, 4]\n"
+            "quick: {}\nquick_variants: ['ada,judge=biased,bits=4']\n",
+        )
+    )
+    assert [v.name for v in spec.variants] == [
+        "kivi,judge=good,bits=2",
+        "kivi,judge=good,bits=4",
+        "kivi,judge=biased,bits=2",
+        "kivi,judge=biased,bits=4",
+        "ada,judge=good,bits=2",
+        "ada,judge=good,bits=4",
+        "ada,judge=biased,bits=2",
+        "ada,judge=biased,bits=4",
+    ]
+    assert spec.variants[2].overrides == {
+        "model.init_args.cache": "kivi",
+        "data.init_args.judge_accuracy": 0.8,
+        "data.init_args.length_bias": 1.0,
+        "model.init_args.bits": 2,
+    }
+    assert spec.variants[5].overrides == {
+        "data.init_args.judge_accuracy": 0.9,
+        "model.init_args.bits": 4,
+    }
+    # The axis's own name is never an override key.
+    assert not any("judge" in v.overrides for v in spec.variants)
+    assert spec.quick_variants == ["ada,judge=biased,bits=4"]
+    # expand_grid alone: a named axis is the only axis.
+    points = expand_grid({"size": {"narrow": {"m.w": 1}, "wide": {"m.w": 2, "m.h": 3}}})
+    assert [(p.name, p.overrides) for p in points] == [
+        ("size=narrow", {"m.w": 1}),
+        ("size=wide", {"m.w": 2, "m.h": 3}),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ("{judge: {good: 0.9}}", "grid axis 'judge': point 'good' must be a non-empty mapping"),
+        ("{judge: {good: [0.9]}}", "grid axis 'judge': point 'good' must be a non-empty mapping"),
+        ("{judge: {good: {}}}", "grid axis 'judge': point 'good' must be a non-empty mapping"),
+        (
+            "{judge: {good: {data.a: 1}, bad: null}}",
+            "grid axis 'judge': point 'bad' must be a non-empty mapping",
+        ),
+        ("{judge: {good: {--x: 1}}}", "bad override key '--x' in 'grid.judge.good'"),
+        ("{judge: {}}", "grid key 'judge' must have a non-empty list of values"),
+    ],
+)
+def test_bad_named_grid_axis_fails_naming_the_axis_and_point(tmp_path, grid, message):
+    with pytest.raises(SweepSpecError) as error:
+        SweepSpec.from_yaml(write_spec(tmp_path, f"grid: {grid}\n"))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)

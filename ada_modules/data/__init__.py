@@ -13,6 +13,10 @@ diffusion), solved pseudo-spectrally by :func:`solve_pde`.
 Federated rounds for ASAP: :class:`FederatedDataModule` shares another DataModule's training
 split among clients (IID or Dirichlet label skew) and serves every client's batches per round.
 
+Preference pairs for ABC-Align: :class:`PreferenceDataModule` serves a few human-labelled and many
+AI-judge-labelled pairs of a :class:`PreferenceWorld` (digit strings, a known true preference, a
+judge with a tunable accuracy and length bias).
+
 Puzzles for aNCA: :class:`MazeDataModule` and :class:`SudokuDataModule` serve seeded mazes
 (:mod:`~ada_modules.data.mazes`, :func:`generate_maze`) and Sudoku puzzles
 (:mod:`~ada_modules.data.sudoku`, :func:`generate_sudoku`) as per-cell image tensors, scored by
@@ -47,6 +51,11 @@ from ada_modules.data.planted_attention import (
     PlantedAttention,
     PlantedAttentionDataModule,
     planted_attention,
+)
+from ada_modules.data.preference_world import (
+    PreferenceDataModule,
+    PreferencePairs,
+    PreferenceWorld,
 )
 from ada_modules.data.puzzle_datamodules import MazeDataModule, SudokuDataModule
 from ada_modules.data.recall import RecallDataModule
@@ -95,6 +104,9 @@ __all__ = [
     "PDETrajectories",
     "PlantedAttention",
     "PlantedAttentionDataModule",
+    "PreferenceDataModule",
+    "PreferencePairs",
+    "PreferenceWorld",
     "RecallDataModule",
     "ReliabilityItems",
     "ReliabilityItemsDataModule",

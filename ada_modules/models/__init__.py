@@ -4,15 +4,18 @@ Techniques plug into a module through its init args (a cache factory, an attenti
 implementation, an optimizer), so a baseline and a technique differ by one YAML key.
 """
 
+from ada_modules.models.abc_estimator_study import EstimatorStudyModule
 from ada_modules.models.adkv_calibration import ADKVCalibrationModule
 from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
+from ada_modules.models.dpo import DPOModule
 from ada_modules.models.federated import FederatedSimulationModule
 from ada_modules.models.merge import MergeModule
 from ada_modules.models.moe import MoELMModule
 from ada_modules.models.nca_solver import MazeNCAModule, SudokuNCAModule
 from ada_modules.models.on_policy import OnPolicyModule
 from ada_modules.models.operator_transformer import OperatorTransformerModule
+from ada_modules.models.preference import PreferenceModule, RewardModelModule
 from ada_modules.models.reliability_study import ReliabilityStudyModule
 from ada_modules.models.self_distillation import SelfDistillationModule
 from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
@@ -20,14 +23,18 @@ from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
 __all__ = [
     "ADKVCalibrationModule",
     "CausalLMModule",
+    "DPOModule",
+    "EstimatorStudyModule",
     "FederatedSimulationModule",
     "ImageClassifierModule",
     "MazeNCAModule",
     "MergeModule",
     "OnPolicyModule",
     "OperatorTransformerModule",
+    "PreferenceModule",
     "MoELMModule",
     "ReliabilityStudyModule",
+    "RewardModelModule",
     "SelfDistillationModule",
     "SparsePrefillStudyModule",
     "SudokuNCAModule",

@@ -1,6 +1,17 @@
 """Post-training objectives: advantages, distillation targets, environments (AVSD, AEM, ABC-Align)."""
 
-from ada_modules.posttrain import advantages, avsd, envs
+from ada_modules.posttrain import abc, advantages, avsd, envs
+from ada_modules.posttrain.abc import (
+    ESTIMATORS,
+    SemiSupervisedEstimate,
+    SemiSupervisedWeights,
+    combine_losses,
+    dpo_margin,
+    estimate_mean,
+    margin_gradients,
+    preference_loss,
+    semi_supervised_weights,
+)
 from ada_modules.posttrain.advantages import (
     ADVANTAGE_ESTIMATORS,
     RolloutStats,
@@ -21,6 +32,16 @@ from ada_modules.posttrain.avsd import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ESTIMATORS",
+    "SemiSupervisedEstimate",
+    "SemiSupervisedWeights",
+    "abc",
+    "combine_losses",
+    "dpo_margin",
+    "estimate_mean",
+    "margin_gradients",
+    "preference_loss",
+    "semi_supervised_weights",
     "AVSDTarget",
     "RolloutStats",
     "ViewPool",
