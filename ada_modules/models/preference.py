@@ -47,11 +47,22 @@ log = logging.getLogger(__name__)
 
 
 def pair_tokens(batch: dict[str, Tensor]) -> tuple[Tensor, int]:
-    """``first`` and ``second`` stacked into one right-padded batch, and the number of pairs."""
+    """``first`` and ``second`` stacked into one right-padded batch, and the number of pairs.
+
+    Raises:
+        InputError: If a pair's two responses are identical (its label carries no information).
+    """
     first, second = batch["first"], batch["second"]
     width = max(first.shape[1], second.shape[1])
     first = nn.functional.pad(first, (0, width - first.shape[1]))
     second = nn.functional.pad(second, (0, width - second.shape[1]))
+    same = (first == second).all(1)
+    if same.any():
+        index = int(same.nonzero()[0])
+        raise InputError(
+            f"pair {index} of the batch has identical first and second responses; a preference "
+            "between a response and itself carries no information"
+        )
     return torch.cat([first, second]), len(first)
 
 

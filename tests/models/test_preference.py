@@ -338,3 +338,12 @@ def test_bad_study_arguments_raise_input_error(kwargs, message):
     with pytest.raises(InputError) as error:
         EstimatorStudyModule(**kwargs)
     assert message in str(error.value)
+
+
+def test_a_pair_of_identical_responses_is_rejected_naming_it():
+    batch = {
+        "first": torch.tensor([[1, 4, 2], [1, 5, 2]]),
+        "second": torch.tensor([[1, 6, 2], [1, 5, 2]]),
+    }
+    with pytest.raises(InputError, match="pair 1 of the batch has identical"):
+        pair_tokens(batch)
