@@ -22,6 +22,10 @@ from collections import defaultdict
 from pathlib import Path
 
 METHODS = ("human", "pseudo", "concat", "ppi", "ppi++", "abc")
+TITLES = {
+    "abc_align": "reward model (repro.yaml), 24 human + 2000 judge labels",
+    "abc_align_dpo": "DPO (repro_dpo.yaml), 24 human + 2000 judge labels",
+}
 
 
 def mean_std(values: list[float], digits: int = 3) -> str:
@@ -93,7 +97,7 @@ def plot_grid(cells: list[dict], out: Path) -> None:
     ns = sorted({c["n"] for c in cells})
     accuracies = sorted({c["judge_accuracy"] for c in cells})
     biases = sorted({c["length_bias"] for c in cells})
-    fig, axes = plt.subplots(2, len(ns), figsize=(4.2 * len(ns), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(ns), figsize=(4.8 * len(ns), 7.5), squeeze=False)
     for row, (against, title) in enumerate((("ppi++", "PPI++"), ("human", "human-only"))):
         for col, n in enumerate(ns):
             grid = [[math.nan] * len(biases) for _ in accuracies]
@@ -110,7 +114,8 @@ def plot_grid(cells: list[dict], out: Path) -> None:
             ax.set_yticks(range(len(accuracies)), [str(a) for a in accuracies])
             ax.set_xlabel("judge length bias")
             ax.set_ylabel("judge accuracy")
-            ax.set_title(f"RMSE(ABC) / RMSE({title}), n = {n}")
+            ax.set_title(f"ABC / {title}, n = {n}", fontsize=10)
+    fig.suptitle("RMSE ratio of the win-rate estimate (below 1, blue: ABC better)")
     fig.colorbar(image, ax=axes, shrink=0.6)
     fig.savefig(out / "estimator_ratios.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -161,8 +166,8 @@ def plot_training(by: dict, name: str, out: Path) -> None:
     ax.set_xticks(range(len(judges)), [f"judge={j}" for j in judges])
     ax.set_ylabel("held-out accuracy vs true preference")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=7, ncol=3, loc="lower right")
-    ax.set_title(name)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(TITLES.get(name, name))
     fig.savefig(out / f"{name}_accuracy.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
 

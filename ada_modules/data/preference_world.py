@@ -184,11 +184,15 @@ class PreferenceDataModule(LightningDataModule):
     :class:`~ada_modules.models.preference.PreferenceModule` re-estimates its λ̂ and ŵ.
 
     Args:
-        judge_accuracy, judge_length_bias, human_accuracy, min_length, max_length: The
-            :class:`PreferenceWorld`.
+        judge_accuracy: The :class:`PreferenceWorld`'s judge accuracy.
+        judge_length_bias: The judge's length bias.
+        human_accuracy: Probability that a human label equals the true preference.
+        min_length: Shortest response.
+        max_length: Longest response.
         num_labelled: Pairs with a human label (``n``).
         num_unlabelled: Pairs with the judge's label only (``N``).
-        num_val, num_test: Held-out pairs.
+        num_val: Validation pairs (with the true preference).
+        num_test: Test pairs (with the true preference).
         batch_size: Unlabelled pairs per training batch.
         labelled_batch_size: Labelled pairs per training batch.
         seed: Seed of every draw; ``None`` takes the seed of ``seed_everything``

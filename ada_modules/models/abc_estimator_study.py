@@ -68,7 +68,8 @@ class EstimatorStudyModule(LightningModule):
         trials: Independent draws per cell.
         first_extra_length: How much longer the first responses are.
         truth_pairs: Pairs that fix the true win rate.
-        min_length, max_length: Response lengths of the world.
+        min_length: Shortest response of the world.
+        max_length: Longest response of the world.
         seed: Seed of every draw; ``None`` takes the seed of ``seed_everything``
             (``PL_GLOBAL_SEED``; 0 when unset).
         output_dir: Where ``grid.json`` goes (``None``: not written).

@@ -35,13 +35,19 @@ class DPOModule(PreferenceModule):
     Args:
         beta: DPO's β.
         num_samples: Responses sampled at test time (0: none).
-        architecture, hidden_size, num_layers, num_heads, intermediate_size: The policy
+        architecture: The policy's architecture
             (:func:`~ada_modules.models.causal_lm.build_causal_lm`, CharTokenizer vocabulary).
+        hidden_size: The policy's width.
+        num_layers: Decoder layers.
+        num_heads: Attention heads (as many key-value heads).
+        intermediate_size: MLP width.
         model_wrapper: Called once as ``model_wrapper(policy)`` on the built policy, before the
             reference is copied from it (e.g. ANCRe's ``ConnectivityWrapper`` or AOT-POT's
             ``StreamsWrapper``); ``None`` keeps the policy as built.
-        estimator, refresh_every_n_steps, statistics_unlabelled, optimizer: See
-            :class:`~ada_modules.models.preference.PreferenceModule`.
+        estimator: See :class:`~ada_modules.models.preference.PreferenceModule`.
+        refresh_every_n_steps: See :class:`~ada_modules.models.preference.PreferenceModule`.
+        statistics_unlabelled: See :class:`~ada_modules.models.preference.PreferenceModule`.
+        optimizer: Optimizer factory (given the policy's parameters).
 
     Examples:
         >>> from lightning.pytorch import Trainer

@@ -192,11 +192,17 @@ class RewardModelModule(PreferenceModule):
     ``∇h = φ(first) - φ(second)`` (``φ``: the last token's hidden state).
 
     Args:
-        architecture, hidden_size, num_layers, num_heads, intermediate_size: The decoder
+        architecture: The decoder's architecture
             (:func:`~ada_modules.models.causal_lm.build_causal_lm` with the
             :class:`~ada_modules.data.tokenizer.CharTokenizer` vocabulary).
-        estimator, refresh_every_n_steps, statistics_unlabelled, optimizer: See
-            :class:`PreferenceModule`.
+        hidden_size: The decoder's width.
+        num_layers: Decoder layers.
+        num_heads: Attention heads (as many key-value heads).
+        intermediate_size: MLP width.
+        estimator: See :class:`PreferenceModule`.
+        refresh_every_n_steps: See :class:`PreferenceModule`.
+        statistics_unlabelled: See :class:`PreferenceModule`.
+        optimizer: Optimizer factory.
 
     Examples:
         >>> from lightning.pytorch import Trainer
