@@ -24,10 +24,10 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n $(TEST_WORKERS) -m "not slow"
+	$(BIN)/pytest -n $(TEST_WORKERS) -m "not slow" --durations=20
 
 test-slow: install
-	$(BIN)/pytest -n $(TEST_WORKERS) -m slow
+	$(BIN)/pytest -n $(TEST_WORKERS) -m slow --durations=20
 
 docs: install
 	$(BIN)/mkdocs build --strict
