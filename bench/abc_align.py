@@ -4,7 +4,9 @@
     python bench/abc_align.py --sweep sweeps/abc_align --sweep sweeps/abc_align_dpo \\
         --out docs/techniques/img/abc_align
 
-``--grid`` reads every ``runs/*/seed_*/study/grid.json`` of the estimator sweep
+Without ``--grid`` or ``--sweep`` it runs the estimator study itself, in this process, on one
+seed (``--quick``: 2 x 2 judges, n = 50, 40 draws per cell, seconds), and prints the same
+per-cell table. ``--grid`` reads every ``runs/*/seed_*/study/grid.json`` of the estimator sweep
 (``repro_estimators.yaml``), pools the seeds per cell (equal draws per seed: RMSE from the pooled
 mean squared error, coverage the mean) and prints the per-cell table (RMSE of every estimator,
 coverage of PPI++ and ABC, mean λ̂ and ŵ) and a summary; with ``--out`` it draws heatmaps of
@@ -59,6 +61,25 @@ def pooled_grid(sweep: Path) -> list[dict]:
         row["abc_weight"] = statistics.mean(c["abc_weight"] for c in cells)
         pooled.append(row)
     return pooled
+
+
+def run_study(quick: bool) -> list[dict]:
+    """The estimator study of ``repro_estimators.yaml`` (one seed) or a tiny one, in-process."""
+    from lightning.pytorch import Trainer
+
+    from ada_modules.models import EstimatorStudyModule
+
+    grid = (
+        {"judge_accuracies": [0.6, 0.9], "length_biases": [0.0, 1.0], "num_labelled": [50],
+         "trials": 40, "truth_pairs": 50_000}
+        if quick
+        else {"judge_accuracies": [0.3, 0.6, 0.8, 0.9], "length_biases": [0.0, 0.1, 0.25, 0.5, 1.0],
+              "num_labelled": [50, 400], "trials": 400}
+    )  # fmt: skip
+    study = EstimatorStudyModule(num_unlabelled=5000, seed=0, **grid)
+    Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+            enable_model_summary=False).test(study, verbose=False)  # fmt: skip
+    return [{**cell, "seeds": 1} for cell in study.results]
 
 
 def grid_tables(cells: list[dict]) -> None:
@@ -178,11 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", type=Path, action="append", default=[],
                         help="output folder of repro.yaml or repro_dpo.yaml (repeatable)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="folder for the plots")
+    parser.add_argument("--quick", action="store_true", help="a tiny in-process estimator study")
     args = parser.parse_args(argv)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-    if args.grid is not None:
-        cells = pooled_grid(args.grid)
+    if args.grid is not None or not args.sweep:
+        cells = pooled_grid(args.grid) if args.grid is not None else run_study(args.quick)
         grid_tables(cells)
         if args.out is not None:
             plot_grid(cells, args.out)
