@@ -17,6 +17,10 @@ Preference pairs for ABC-Align: :class:`PreferenceDataModule` serves a few human
 AI-judge-labelled pairs of a :class:`PreferenceWorld` (digit strings, a known true preference, a
 judge with a tunable accuracy and length bias).
 
+Warehouse consolidation for AIQL: :class:`ConsolidationSimulator` (a batched, seeded backlog of
+orders; pick K per epoch) and :class:`ConsolidationLogsDataModule` (offline logs of noisy
+heuristics under a source and a target objective; fresh episodes for evaluation).
+
 Puzzles for aNCA: :class:`MazeDataModule` and :class:`SudokuDataModule` serve seeded mazes
 (:mod:`~ada_modules.data.mazes`, :func:`generate_maze`) and Sudoku puzzles
 (:mod:`~ada_modules.data.sudoku`, :func:`generate_sudoku`) as per-cell image tensors, scored by
@@ -24,6 +28,12 @@ Puzzles for aNCA: :class:`MazeDataModule` and :class:`SudokuDataModule` serve se
 """
 
 from ada_modules.data.arithmetic import ArithmeticDataModule, addition_scratchpad
+from ada_modules.data.consolidation import ConsolidationSimulator, ConsolidationState
+from ada_modules.data.consolidation_logs import (
+    ConsolidationLogs,
+    ConsolidationLogsDataModule,
+    collect_logs,
+)
 from ada_modules.data.digit_domains import DIGIT_DOMAINS, DigitDomainsDataModule
 from ada_modules.data.digits import DigitsDataModule
 from ada_modules.data.env_tasks import EnvTaskDataModule
@@ -85,6 +95,11 @@ from ada_modules.data.task_domains import TaskDomainsDataModule
 from ada_modules.data.tokenizer import CharTokenizer
 
 __all__ = [
+    "ConsolidationLogs",
+    "ConsolidationLogsDataModule",
+    "ConsolidationSimulator",
+    "ConsolidationState",
+    "collect_logs",
     "ArithmeticDataModule",
     "CAPTURE_ATTENTION",
     "CapturedKV",
