@@ -6,6 +6,7 @@ implementation, an optimizer), so a baseline and a technique differ by one YAML 
 
 from ada_modules.models.abc_estimator_study import EstimatorStudyModule
 from ada_modules.models.adkv_calibration import ADKVCalibrationModule
+from ada_modules.models.candidate_selection import CandidateSelectionModule
 from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.models.dpo import DPOModule
@@ -22,6 +23,7 @@ from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
 
 __all__ = [
     "ADKVCalibrationModule",
+    "CandidateSelectionModule",
     "CausalLMModule",
     "DPOModule",
     "EstimatorStudyModule",
