@@ -26,6 +26,8 @@ from ada_modules.attention import AdaCalPolicy, policy_from_config
 from ada_modules.callbacks import TrainingCurves
 from ada_modules.cli import main
 from ada_modules.data import ArithmeticDataModule, RecallDataModule, SudokuDataModule
+from ada_modules.data.consolidation import ConsolidationSimulator
+from ada_modules.data.consolidation_logs import collect_logs
 from ada_modules.data.mazes import generate_maze
 from ada_modules.data.pde import PDEDataModule, solve_pde
 from ada_modules.data.sudoku import generate_sudoku
@@ -44,6 +46,7 @@ from ada_modules.merging import ActivationStats, amaris
 from ada_modules.models import ADKVCalibrationModule, CausalLMModule, SelfDistillationModule
 from ada_modules.models.causal_lm import build_causal_lm
 from ada_modules.nn import MultiStreamResidual, NeuralCellularAutomaton, wrap_timm
+from ada_modules.offline_rl import plackett_luce_log_likelihood
 from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
 from ada_modules.optim.param_groups import check_param_coverage
 from ada_modules.posttrain.abc import estimate_mean, preference_loss
@@ -68,7 +71,29 @@ AVSD = "cli_configs/avsd/sorting.yaml"
 ASAP_DIGITS = "cli_configs/asap/digits.yaml"
 ASAP_TINY = ["--trainer.logger=false", "--data.init_args.rounds=2"]
 ABC_REWARD = "cli_configs/abc_align/reward_model.yaml"
+AIQL_SOURCE = "cli_configs/aiql/source.yaml"
+AIQL_TARGET = "cli_configs/aiql/target.yaml"
+AIQL_TINY = [
+    "--trainer.max_steps=1",
+    "--data.init_args.source_episodes=2",
+    "--data.init_args.min_candidates=20",
+    "--data.init_args.max_candidates=40",
+]
 MERGED = "--model.output_dir={tmp}/merged"  # never runs/amaris/merged
+
+
+def _logs_with(field: str, edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """A small consolidation log with one field edited, validated again."""
+    logs = collect_logs(ConsolidationSimulator(min_candidates=20, max_candidates=40, horizon=2),
+                        episodes=2, seed=0)  # fmt: skip
+    setattr(logs, field, edit(getattr(logs, field)))
+    logs.validate()
+
+
+def _with_nan(values: torch.Tensor) -> torch.Tensor:
+    values = values.clone()
+    values[3] = float("nan")
+    return values
 
 
 def _calibrate_on_wrong_head_dim() -> None:
@@ -669,6 +694,50 @@ CASES = [
         "abc_align",
         '`estimate_mean(human, judge, judge_unlabelled, "ppi++")` with one human label',
         _raises(lambda tmp: estimate_mean(torch.ones(1), torch.ones(1), torch.ones(100), "ppi++")),
+    ),
+    Case(
+        "aiql",
+        "`ada fit -c cli_configs/aiql/source.yaml --data.init_args.pick 60` (50 candidates)",
+        _cli(["fit", "-c", AIQL_SOURCE, "--data.init_args.pick=60"]),
+    ),
+    Case(
+        "aiql",
+        "`ada fit -c cli_configs/aiql/target.yaml --data.init_args.target_episodes 0` (A²IQL)",
+        _cli(["fit", "-c", AIQL_TARGET, *AIQL_TINY, "--data.init_args.target_episodes=0"]),
+    ),
+    Case(
+        "aiql",
+        "`... --model.init_args.adaptation bonus --model.init_args.critic none`",
+        _cli(
+            [
+                "fit",
+                "-c",
+                AIQL_SOURCE,
+                "--model.init_args.adaptation=bonus",
+                "--model.init_args.critic=none",
+            ]
+        ),  # fmt: skip
+    ),
+    Case(
+        "aiql",
+        "a consolidation log with a NaN reward in row 3",
+        _raises(lambda tmp: _logs_with("reward", _with_nan)),
+    ),
+    Case(
+        "aiql",
+        "a target log whose candidates lack a feature column (another schema)",
+        _raises(lambda tmp: _logs_with("candidates", lambda c: c[..., :-1])),
+    ),
+    Case(
+        "aiql",
+        "`plackett_luce_log_likelihood` picking K = 3 of a pool with 2 valid candidates",
+        _raises(
+            lambda tmp: plackett_luce_log_likelihood(
+                torch.zeros(1, 4),
+                torch.tensor([[True, True, False, False]]),
+                torch.tensor([[0, 1, 2]]),
+            )  # fmt: skip
+        ),
     ),
     # fmt: on
     Case("sweeps", "`ada sweep missing.yaml`", _cli(["sweep", "{tmp}/missing.yaml"])),

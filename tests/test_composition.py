@@ -52,6 +52,7 @@ from transformers import DynamicCache
 import ada_modules.attention  # noqa: F401  (registers the sparse prefill attention functions)
 from ada_modules.callbacks import ConnectivityMonitor, SparsePrefillMonitor
 from ada_modules.data import (
+    ConsolidationLogsDataModule,
     DigitsDataModule,
     EnvTaskDataModule,
     FederatedDataModule,
@@ -63,6 +64,7 @@ from ada_modules.fl import ASAP
 from ada_modules.kv import AdaKVQCache, ADKVCache, KIVICache
 from ada_modules.merging import amaris, collect_activation_stats, output_deviation
 from ada_modules.models import (
+    CandidateSelectionModule,
     CausalLMModule,
     DPOModule,
     FederatedSimulationModule,
@@ -606,3 +608,45 @@ def test_abc_dpo_trains_a_policy_of_each_wrapper_and_generates_through_every_cac
             past_key_values=make_cache(config=module.policy.config), pad_token_id=0,
         )  # fmt: skip
         assert out.shape[1] > prompt.shape[1], name
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "accelegrad_sharp"])
+def test_a2iql_trains_its_actor_and_critics_with_each_optimizer(optimizer):
+    """AIQL / A²IQL: an offline-RL module on set-valued actions (no decoder, cache or attention),
+    so of the matrix's factors only the optimizer reaches it. With each optimizer that takes
+    plain parameters, A²IQL (aggregate critic, Bayesian bonus from 2 target episodes) fits on a
+    fixed batch: the critics' TD loss goes down, the target critic moves, and greedy rollouts of
+    the actor give finite returns under both objectives."""
+    seed_everything(0)
+    lr = {"adamw": 3e-3, "accelegrad_sharp": 0.05}[optimizer]
+    module = CandidateSelectionModule(
+        critic="aggregate", adaptation="bonus", hidden=16, eval_objective="target",
+        reward_scale=0.05, optimizer=partial(OPTIMIZERS[optimizer]["optimizer"].func, lr=lr),
+    )  # fmt: skip
+    data = ConsolidationLogsDataModule(
+        min_candidates=20, max_candidates=40, horizon=4, source_episodes=4, target_episodes=2,
+        val_episodes=4, test_episodes=4, batch_size=16, seed=0,
+    )  # fmt: skip
+    data.setup("fit")
+    batch = next(iter(data._loader("train", shuffle=False)))  # the batch overfit_batches=1 fits
+    target_before = [p.clone() for p in module.target_critic.parameters()]
+
+    def q_loss() -> float:
+        with torch.no_grad():
+            q1, _ = module.critic(batch["state"], batch["action"])
+            reward = batch["reward"] * module.reward_multiplier
+            target = reward + 0.9 * (1 - batch["done"]) * module.value(batch["next_state"])
+            return (q1 - target).square().mean().item()
+
+    trainer = Trainer(
+        accelerator="cpu", max_steps=4 * STEPS, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        overfit_batches=1,
+    )  # fmt: skip
+    before = q_loss()
+    trainer.fit(module, datamodule=data)
+    assert q_loss() < 0.9 * before, optimizer
+    moved = zip(target_before, module.target_critic.parameters(), strict=True)
+    assert any(not torch.equal(a, b) for a, b in moved)
+    metrics = trainer.test(module, datamodule=data, verbose=False)[0]
+    assert math.isfinite(metrics["test/return_source"]) and math.isfinite(metrics["test/return"])
