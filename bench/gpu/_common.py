@@ -110,6 +110,25 @@ def run_sections(
     return errors
 
 
+def quiet_trainer(device: torch.device, **overrides: Any) -> Any:
+    """A one-device Lightning ``Trainer`` that validates, logs, checkpoints and prints nothing;
+    ``overrides`` replace or add ``Trainer`` arguments (``limit_val_batches=None`` validates)."""
+    from lightning.pytorch import Trainer
+
+    settings = {
+        "accelerator": "gpu" if device.type == "cuda" else "cpu",
+        "devices": 1,
+        "max_epochs": -1,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return Trainer(**(settings | overrides))
+
+
 def write_json(slug: str, payload: dict[str, Any]) -> None:
     """Write ``payload`` to ``$OUT/<slug>.json`` when ``OUT`` is set (the device tool's folder)."""
     out = os.environ.get("OUT")

@@ -34,8 +34,14 @@ from functools import partial
 from typing import Any
 
 import torch
-from _common import add_run_arguments, bench_device, finish_runs, mean_std  # bench/gpu/_common.py
-from lightning.pytorch import Trainer, seed_everything
+from _common import (  # bench/gpu/_common.py
+    add_run_arguments,
+    bench_device,
+    finish_runs,
+    mean_std,
+    quiet_trainer,
+)
+from lightning.pytorch import seed_everything
 
 from ada_modules.data import PreferenceDataModule
 from ada_modules.models import RewardModelModule
@@ -100,18 +106,7 @@ def run(judge: str, arm: str, seed: int, size: Size, device: torch.device) -> di
         **size.model,
         optimizer=partial(torch.optim.AdamW, lr=1e-3),
     )
-    trainer = Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
-        max_steps=size.steps,
-        max_epochs=-1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(device, max_steps=size.steps)
     begin = time.perf_counter()
     trainer.fit(module, datamodule=data)
     trainer.test(module, datamodule=data, verbose=False)

@@ -24,8 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _common import add_run_arguments, bench_device, finish_runs, mean_std  # bench/gpu/_common.py
-from lightning.pytorch import Trainer, seed_everything
+from _common import (  # bench/gpu/_common.py
+    add_run_arguments,
+    bench_device,
+    finish_runs,
+    mean_std,
+    quiet_trainer,
+)
+from lightning.pytorch import seed_everything
 
 from ada_modules.data import EnvTaskDataModule
 from ada_modules.models import OnPolicyModule
@@ -125,17 +131,7 @@ def run_arm(arm: str, seed: int, size: Size, device: torch.device) -> dict[str, 
         num_test=16,
         batch_size=size.tasks_per_step,
     )
-    trainer = Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
-        max_epochs=-1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(device)
     start = time.perf_counter()
     trainer.fit(module, data)
     metrics = {name: float(trainer.callback_metrics[name]) for name in METRICS}

@@ -60,6 +60,7 @@ from _common import (  # bench/gpu/_common.py
     add_run_arguments,
     bench_device,
     median_ms,
+    quiet_trainer,
     run_sections,
     sync,
     write_json,
@@ -418,7 +419,7 @@ class Bench:
         print()
 
     def end_to_end(self) -> None:
-        from lightning.pytorch import Trainer, seed_everything
+        from lightning.pytorch import seed_everything
 
         from ada_modules.data import ConsolidationLogsDataModule
         from ada_modules.models import CandidateSelectionModule
@@ -459,18 +460,7 @@ class Bench:
                 module = CandidateSelectionModule(
                     critic="aggregate", hidden=size.e2e_hidden, num_negatives=negatives
                 )
-                trainer = Trainer(
-                    accelerator="gpu" if self.device.type == "cuda" else "cpu",
-                    devices=1,
-                    max_steps=size.steps,
-                    max_epochs=-1,
-                    limit_val_batches=0,
-                    num_sanity_val_steps=0,
-                    logger=False,
-                    enable_checkpointing=False,
-                    enable_progress_bar=False,
-                    enable_model_summary=False,
-                )
+                trainer = quiet_trainer(self.device, max_steps=size.steps)
                 start = time.perf_counter()
                 trainer.fit(module, datamodule=dm)
                 fit_s = time.perf_counter() - start

@@ -28,8 +28,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import add_run_arguments, bench_device, finish_runs  # bench/gpu/_common.py
-from lightning.pytorch import Trainer, seed_everything
+from _common import (  # bench/gpu/_common.py
+    add_run_arguments,
+    bench_device,
+    finish_runs,
+    quiet_trainer,
+)
+from lightning.pytorch import seed_everything
 from torch import nn
 from torch.utils.data import TensorDataset
 from torchvision.models import resnet18
@@ -130,16 +135,7 @@ def run(rule: str, attack: str, size: Size, device: torch.device) -> dict[str, A
         root_size=100,
         auxiliary_size=200,
     )
-    trainer = Trainer(
-        accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=1,
-        max_epochs=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(device, max_epochs=1, limit_val_batches=None)
     begin = time.perf_counter()
     trainer.fit(module, data)
     wall = time.perf_counter() - begin
