@@ -9,7 +9,7 @@ holds around 50 and another several hundred candidates).
 
 The reward of a wave is ``shipped units - travel_cost * zones visited - expiry_cost * orders
 expired``; the source and target objectives differ only in the two costs (the target makes travel
-and lost orders four and three times dearer), so they share the dynamics but not the reward. The
+and lost orders three times dearer), so they share the dynamics but not the reward. The
 backlog carries the consequences of a pick into later epochs.
 
 Everything is batched over environments (padded to ``max_candidates`` slots with a validity mask)
@@ -272,7 +272,7 @@ class ConsolidationSimulator:
 def candidate_features(state: ConsolidationState) -> Tensor:
     """Per-candidate features ``[B, S, CANDIDATE_FEATURES]`` (zeros in empty slots).
 
-    Columns: volume / 10, weight / 20, fill, slack / 10, about to expire (slack == -grace: it
+    Columns: volume / 10, weight / 20, fill, slack / 10, about to expire (slack <= -grace: it
     expires unless it ships now), then the zone one-hot.
     """
     about_to_expire = (state.slack <= -state.grace).float()
@@ -384,8 +384,9 @@ def heuristic_scores(
 
     ``edd``: earliest due date first. ``volume``: most shippable units first. ``zone``: units, but
     only in the zone holding the most units. ``random``: uniform. ``greedy_<objective>``: the
-    orders' marginal worth under that objective (units plus the expiry cost saved), restricted to
-    the two zones of most worth; it knows the reward, so it is a reference, not a baseline.
+    orders' worth under that objective (units plus the expiry cost saved), restricted to the m
+    zones whose best orders are worth most, m (1-4) chosen by the wave's reward net of travel; it
+    knows the reward, so it is a reference, not a baseline.
     """
     features = candidate_features(state)
     units = features[..., _VOLUME] * features[..., _FILL] * 10

@@ -35,6 +35,7 @@ from ada_modules.data.consolidation import (
 )
 from ada_modules.data.split_datamodule import SplitDataModule
 from ada_modules.errors import InputError
+from ada_modules.offline_rl.losses import sample_plackett_luce
 
 __all__ = [
     "BEHAVIOUR_HEURISTICS",
@@ -132,15 +133,17 @@ class ConsolidationLogs(Dataset):
         }
 
 
+def _positions(order: Tensor) -> Tensor:
+    """The inverse permutation of each row of ``order``: where each index landed."""
+    return torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
+
+
 def _behaviour_picks(
     scores: Tensor, mask: Tensor, pick: int, temperature: float, generator: torch.Generator
 ) -> Tensor:
     """Plackett-Luce sample of ``pick`` candidates with ``logits = -rank / temperature``."""
-    order = scores.masked_fill(~mask, -math.inf).argsort(dim=1, descending=True)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order))
-    logits = -rank.float() / temperature
-    gumbel = -torch.log(-torch.log(torch.rand(scores.shape, generator=generator).clamp(1e-12)))
-    return (logits + gumbel).masked_fill(~mask, -math.inf).topk(pick, dim=1).indices
+    rank = _positions(scores.masked_fill(~mask, -math.inf).argsort(dim=1, descending=True))
+    return sample_plackett_luce(-rank.float() / temperature, mask, pick, generator)
 
 
 def collect_logs(
@@ -198,9 +201,7 @@ def collect_logs(
         next_state, reward = simulator.step(state, chosen)
         # Pack the valid candidates to the front so that logs pad to their largest pool only.
         order = (~state.mask).float().argsort(dim=1, stable=True)
-        position = torch.empty_like(order).scatter_(
-            1, order, torch.arange(order.shape[1]).expand_as(order)
-        )
+        position = _positions(order)
         next_features = candidate_features(next_state)
         next_summary = state_summary(
             next_features,

@@ -63,6 +63,7 @@ from ada_modules.offline_rl.losses import (
     advantage_weights,
     expectile_loss,
     plackett_luce_log_likelihood,
+    sample_plackett_luce,
     subsample_candidates,
 )
 from ada_modules.offline_rl.networks import (
@@ -168,13 +169,11 @@ class CandidateSelectionModule(LightningModule):
                 raise InputError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if adaptation != "none" and critic == "none":
             raise InputError(f"adaptation={adaptation!r} needs a critic, got critic='none'")
-        for name, value, low, high in (
-            ("expectile", expectile, 0.0, 1.0),
-            ("discount", discount, 0.0, 1.0),
-            ("target_update", target_update, 0.0, 1.0),
-        ):
-            if not low < value < high if name == "expectile" else not low <= value <= high:
-                raise InputError(f"{name} must be in ({low}, {high}), got {value!r}")
+        if not 0 < expectile < 1:
+            raise InputError(f"expectile must be in (0, 1), got {expectile!r}")
+        for name, value in (("discount", discount), ("target_update", target_update)):
+            if not 0 <= value <= 1:
+                raise InputError(f"{name} must be in [0, 1], got {value!r}")
         for name, value in (
             ("temperature", temperature),
             ("uncertainty_penalty", uncertainty_penalty),
@@ -250,10 +249,8 @@ class CandidateSelectionModule(LightningModule):
         """``b(S, a) - mean_{a'} b(S, a')``, ``a'`` drawn from the actor's Plackett-Luce policy."""
         hp = self.hparams
         state, candidates, mask = batch["state"], batch["candidates"], batch["mask"]
-        uniform = torch.rand(mask.shape[0], hp.bonus_samples, mask.shape[1], device=mask.device)
-        gumbel = -torch.log(-torch.log(uniform.clamp(1e-12, 1 - 1e-7)))
-        keys = (scores.detach()[:, None] + gumbel).masked_fill(~mask[:, None], -math.inf)
-        others = keys.topk(batch["chosen"].shape[1], dim=-1).indices
+        logits = scores.detach()[:, None].expand(-1, hp.bonus_samples, -1)
+        others = sample_plackett_luce(logits, mask[:, None], batch["chosen"].shape[1])
         actions = torch.cat([batch["action"][:, None], action_summary(candidates, others)], 1)
         states = state[:, None].expand(-1, actions.shape[1], -1)
         features = torch.cat([states, actions], dim=-1).flatten(0, 1)

@@ -7,6 +7,7 @@ from ada_modules.offline_rl.losses import (
     advantage_weights,
     expectile_loss,
     plackett_luce_log_likelihood,
+    sample_plackett_luce,
     subsample_candidates,
 )
 from ada_modules.offline_rl.networks import (
@@ -32,5 +33,6 @@ __all__ = [
     "conservative_bonus",
     "expectile_loss",
     "plackett_luce_log_likelihood",
+    "sample_plackett_luce",
     "subsample_candidates",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "advantage_weights",
     "expectile_loss",
     "plackett_luce_log_likelihood",
+    "sample_plackett_luce",
     "subsample_candidates",
 ]
 
@@ -230,6 +231,35 @@ def plackett_luce_log_likelihood(scores: Tensor, mask: Tensor, chosen: Tensor) -
         total = total + picked[:, k] - normaliser
         remaining = remaining.scatter(1, index, False)
     return total
+
+
+def sample_plackett_luce(
+    logits: Tensor, mask: Tensor, k: int, generator: torch.Generator | None = None
+) -> Tensor:
+    """Draw ordered picks of ``k`` valid candidates from the Plackett-Luce policy of ``logits``.
+
+    The Gumbel-top-k trick: the ``k`` largest ``logits + Gumbel noise`` over the valid entries
+    are a Plackett-Luce sample, best first. Works on any leading batch shape.
+
+    Args:
+        logits: Scores ``[..., N]``.
+        mask: Valid candidates ``[..., N]`` (broadcastable to ``logits``).
+        k: Picks per row.
+        generator: Source of the noise (its device must be the tensors').
+
+    Returns:
+        Indices ``[..., k]``.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> picks = sample_plackett_luce(torch.tensor([[9.0, 0.0, 8.0, 5.0]]),
+        ...                              torch.tensor([[True, True, True, False]]), 2, g)
+        >>> sorted(picks[0].tolist())
+        [0, 2]
+    """
+    uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp(1e-12)))
+    return (logits + gumbel).masked_fill(~mask, -math.inf).topk(k, dim=-1).indices
 
 
 def subsample_candidates(
