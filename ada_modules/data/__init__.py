@@ -48,6 +48,12 @@ from ada_modules.data.kv_capture import (
     save_captured_kv,
 )
 from ada_modules.data.mazes import Maze, generate_maze, maze_solved, maze_tensors, shortest_path
+from ada_modules.data.modality_conflict import (
+    ITEM_KINDS,
+    ModalityConflictDataModule,
+    ModalityConflictItems,
+    make_conflict_items,
+)
 from ada_modules.data.needle import NeedleRecallDataModule
 from ada_modules.data.pde import (
     PDE_FAMILIES,
@@ -95,6 +101,10 @@ from ada_modules.data.task_domains import TaskDomainsDataModule
 from ada_modules.data.tokenizer import CharTokenizer
 
 __all__ = [
+    "ITEM_KINDS",
+    "ModalityConflictDataModule",
+    "ModalityConflictItems",
+    "make_conflict_items",
     "ConsolidationLogs",
     "ConsolidationLogsDataModule",
     "ConsolidationSimulator",

@@ -21,6 +21,7 @@ from ada_modules.nn.ancre_adapters import (
     wrap_hf_decoder,
     wrap_timm,
 )
+from ada_modules.nn.image_prefix_lm import ImagePrefixLM
 from ada_modules.nn.moe import MoELayer, Routing, StackedExperts, load_balancing_loss
 from ada_modules.nn.multistream import (
     MultiStreamResidual,
@@ -43,6 +44,7 @@ from ada_modules.nn.operator_transformer import OperatorTransformer
 from ada_modules.nn.spectral_mixing import SpectralMixing
 
 __all__ = [
+    "ImagePrefixLM",
     "DeformablePerception",
     "NeuralCellularAutomaton",
     "deform_conv2d_reference",
