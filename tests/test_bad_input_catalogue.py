@@ -20,7 +20,7 @@ import pytest
 import timm
 import torch
 from lightning.pytorch import LightningModule
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from ada_modules.attention import AdaCalPolicy, policy_from_config
 from ada_modules.callbacks import TrainingCurves
@@ -57,6 +57,7 @@ from ada_modules.reliability import (
     SimulatedChannel,
     plurality,
 )
+from ada_modules.steering import SteeringVector, steer
 from ada_modules.strategies import AdERAStrategy, shard_module
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,6 +80,7 @@ AIQL_TINY = [
     "--data.init_args.min_candidates=20",
     "--data.init_args.max_candidates=40",
 ]
+AMPS_STEER = "cli_configs/amps/steer.yaml"
 MERGED = "--model.output_dir={tmp}/merged"  # never runs/amaris/merged
 
 
@@ -94,6 +96,13 @@ def _with_nan(values: torch.Tensor) -> torch.Tensor:
     values = values.clone()
     values[3] = float("nan")
     return values
+
+
+def _steer_tiny_llama(vector: SteeringVector, **kwargs: object) -> None:
+    """One forward call of a 2-layer Llama (hidden 32) under ``steer``."""
+    model = LlamaForCausalLM(_tiny_llama_config())
+    with steer(model, vector, **kwargs):
+        model(torch.tensor([[1, 2, 3]]))
 
 
 def _calibrate_on_wrong_head_dim() -> None:
@@ -738,6 +747,42 @@ CASES = [
                 torch.tensor([[0, 1, 2]]),
             )  # fmt: skip
         ),
+    ),
+    Case(
+        "amps",
+        "`steer(model, SteeringVector({5: v}))` on a model with 2 decoder layers",
+        _raises(lambda tmp: _steer_tiny_llama(SteeringVector({5: torch.ones(32)}))),
+    ),
+    Case(
+        "amps",
+        "`steer(...)` with a steering vector of width 48 on a model of hidden size 32",
+        _raises(lambda tmp: _steer_tiny_llama(SteeringVector({0: torch.ones(48)}))),
+    ),
+    Case(
+        "amps",
+        "`steer(..., token_scope=100)` on a 3-token prompt (selects no token)",
+        _raises(
+            lambda tmp: _steer_tiny_llama(SteeringVector({0: torch.ones(32)}), token_scope=100)
+        ),
+    ),
+    Case(
+        "amps",
+        '`steer(..., strength=float("nan"))`',
+        _raises(
+            lambda tmp: _steer_tiny_llama(
+                SteeringVector({0: torch.ones(32)}), strength=float("nan")
+            )
+        ),
+    ),
+    Case(
+        "amps",
+        "`ada fit -c cli_configs/amps/steer.yaml` (strength uniform: nothing to train)",
+        _cli(["fit", "-c", AMPS_STEER, "--trainer.max_steps=1"]),
+    ),
+    Case(
+        "amps",
+        "`ada test -c cli_configs/amps/steer.yaml --model.init_args.base_checkpoint missing.ckpt`",
+        _cli(["test", "-c", AMPS_STEER, "--model.init_args.base_checkpoint={tmp}/missing.ckpt"]),
     ),
     # fmt: on
     Case("sweeps", "`ada sweep missing.yaml`", _cli(["sweep", "{tmp}/missing.yaml"])),

@@ -22,7 +22,8 @@ through every cache.
 Merging (AMARIS) is not a factor of a training run: it acts on checkpoints afterwards. Its test
 below merges a specialist of each wrapper into its base and generates through every cache. The
 reliability layer's operators sample a trained model; their test below runs them on a model of
-each wrapper through every cache.
+each wrapper through every cache. AMPS's steering hooks act on a trained model at inference: their
+test below steers a model of each wrapper while it generates through every cache.
 
 :func:`pairwise_rows` picks rows of the product that together hold every pair of values of
 two factors (greedy all-pairs); each row fits a tiny Llama ``CausalLMModule`` on one fixed recall
@@ -80,6 +81,7 @@ from ada_modules.reliability import (
     HybridRetransmission,
     SimulatedVerifier,
 )
+from ada_modules.steering import SteeringVector, capture_hidden_states, steer
 from ada_modules.strategies import AdERAStrategy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -650,3 +652,54 @@ def test_a2iql_trains_its_actor_and_critics_with_each_optimizer(optimizer):
     assert any(not torch.equal(a, b) for a, b in moved)
     metrics = trainer.test(module, datamodule=data, verbose=False)[0]
     assert math.isfinite(metrics["test/return_source"]) and math.isfinite(metrics["test/return"])
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_amps_steers_a_model_of_each_wrapper_through_every_cache(wrapper):
+    """Steering is not a factor of a training run: it hooks a trained model's decoder layers at
+    inference. On a model of each wrapper, a steering vector computed from two prompts moves the
+    generation's scores through every cache; per-row strength 0 leaves its row exactly as
+    unsteered; and after the block the model generates as before (hooks gone)."""
+    seed_everything(0)
+    module = CausalLMModule(
+        hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
+        max_position_embeddings=128, max_new_tokens=4,
+        model_wrapper=WRAPPERS[wrapper]() if WRAPPERS[wrapper] else None,
+        optimizer=partial(torch.optim.AdamW, lr=3e-3),
+    )  # fmt: skip
+    data = RecallDataModule(num_pairs=4, max_hops=1, key_length=1, num_train=BATCH,
+                            num_val=BATCH, num_test=BATCH, batch_size=BATCH, seed=0)  # fmt: skip
+    Trainer(
+        accelerator="cpu", max_steps=STEPS, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(module, datamodule=data)  # fmt: skip
+    model = module.model.eval()
+    ids = torch.tensor([module.tokenizer.encode(p, add_bos=True) for p in ("a1b2:a", "c3d4:c")])
+    with torch.no_grad(), capture_hidden_states(model, [0]) as states:
+        model(ids[:1])
+        model(ids[1:])
+    vector = SteeringVector.from_activations(
+        {0: states[0][0][0]}, {0: states[0][1][0]}
+    ).normalized()
+
+    def generate(cache_factory):
+        out = model.generate(
+            ids,
+            max_new_tokens=4,
+            do_sample=False,
+            cache=cache_factory(config=model.config),
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=module.tokenizer.pad_id,
+        )
+        return torch.stack(out.scores, dim=1)  # fmt: skip
+
+    for name, make_cache in CACHES.items():
+        plain = generate(make_cache)
+        with steer(model, vector, strength=torch.tensor([0.0, 0.0]), token_scope="last"):
+            assert torch.equal(generate(make_cache), plain), name
+        with steer(model, vector, strength=torch.tensor([0.0, 8.0]), token_scope="last"):
+            steered = generate(make_cache)
+        assert torch.equal(steered[0], plain[0]), name
+        assert (steered[1, 0] - plain[1, 0]).abs().max() > 1e-3, name  # first token's scores
+        assert torch.equal(generate(make_cache), plain), name

@@ -11,7 +11,9 @@ from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
 from ada_modules.models.dpo import DPOModule
 from ada_modules.models.federated import FederatedSimulationModule
+from ada_modules.models.image_text_qa import ImageTextQAModule
 from ada_modules.models.merge import MergeModule
+from ada_modules.models.modality_steering import ModalitySteeringModule
 from ada_modules.models.moe import MoELMModule
 from ada_modules.models.nca_solver import MazeNCAModule, SudokuNCAModule
 from ada_modules.models.on_policy import OnPolicyModule
@@ -22,6 +24,7 @@ from ada_modules.models.self_distillation import SelfDistillationModule
 from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
 
 __all__ = [
+    "ImageTextQAModule",
     "ADKVCalibrationModule",
     "CandidateSelectionModule",
     "CausalLMModule",
@@ -31,6 +34,7 @@ __all__ = [
     "ImageClassifierModule",
     "MazeNCAModule",
     "MergeModule",
+    "ModalitySteeringModule",
     "OnPolicyModule",
     "OperatorTransformerModule",
     "PreferenceModule",
