@@ -31,20 +31,23 @@ and the ratio to ``none``. Batch 250 (``eval_batch_size`` of ``steer.yaml``), 30
 direction (image, text) a table of every variant, ``none`` first, of test/preference_shift,
 accuracy_drop, unparseable, repetition, mean_strength, strength_dominant, strength_needed and
 mcr_auroc, mean ± std over seeds ("–" where missing; ``none`` runs with direction image, so its
-strength and MCR columns are the image direction's). Then the matched-preference-shift table:
-for each ``mcr_*`` and ``learned_*`` variant, the accuracy drop and unparseable share that uniform
-steering has at the same mean preference shift, linearly interpolated between the points (mean
-preference shift, mean accuracy drop / unparseable) of the direction's ``uniform_*`` variants and
-``none`` (alpha 0: no shift and no drop), sorted by shift; "outside the uniform range" when the
-shift lies beyond that curve's span. The ratio is the AMPS variant's mean drop over the uniform
-curve's drop (below 1: AMPS loses less accuracy for the same shift; "–" when the uniform drop is
-not positive).
+strength and MCR columns are the image direction's). Then, per direction, two per-seed analyses
+(the seeds' trained models steer very differently, so curves are compared within a seed and only
+the results are averaged): (1) matched preference shift: for each ``mcr_*`` and ``learned_*`` run,
+the same seed's uniform curve (``none``, then the ``uniform_*`` variants by increasing alpha) at
+the first point where it reaches that run's shift, linearly interpolated; the table gives the
+number of seeds where uniform steering reaches it, mean ± std of the accuracy-drop and
+unparseable-share differences (AMPS minus uniform: negative means AMPS loses less), and the
+number of seeds where no uniform strength reaches that shift, with the AMPS run's drop there;
+(2) preference control: per method, the largest shift any of its strengths reaches on a seed,
+and the largest with an accuracy drop of at most 0.05 and 0.10 (``none`` counts as a point of
+every method: 0).
 
-With ``--out DIR2`` it draws ``pareto_image.png`` and ``pareto_text.png`` (x: preference shift,
-y: accuracy drop, one line per method: uniform and mcr points labelled with alpha, learned with
-the collapse weight w, std error bars on both axes, ``none`` at the origin) and
-``collapse_image.png`` / ``collapse_text.png`` (x: preference shift, y: unparseable share).
-Reports only; no assertion.
+With ``--out DIR2`` it draws ``pareto_image.png`` and ``pareto_text.png`` (one panel per seed;
+x: preference shift, y: accuracy drop; one line per method in strength order from ``none``,
+points labelled with alpha, or with the collapse weight w for learned) and
+``collapse_image.png`` / ``collapse_text.png`` (y: unparseable share). Reports only; no
+assertion.
 
 **With --sweep DIR --premise** (premise first; loads the sweep's base checkpoints
 ``DIR/shared_fit/base/seed_<s>/checkpoints/last.ckpt`` and runs them on CPU, about 10 s per seed):
@@ -108,13 +111,6 @@ def mean_std(values: list[float | None], digits: int = 3, signed: bool = False) 
     if len(values) == 1:
         return f"{values[0]:{sign}.{digits}f}"
     return f"{statistics.mean(values):{sign}.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
-def _stats(values: list[float | None]) -> tuple[float, float]:
-    values = _finite(values)
-    if not values:
-        return math.nan, 0.0
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 # ------------------------------------------------------------------ timing (no --sweep)
@@ -273,10 +269,6 @@ def values(runs: dict, variant: str, metric: str) -> list[float]:
     return _finite(found)
 
 
-def _mean(runs: dict, variant: str, metric: str) -> float:
-    return _stats(values(runs, variant, metric))[0]
-
-
 def variants_of(runs: dict, direction: str) -> dict[str, list[tuple[float, str]]]:
     """Per method, ``(alpha or w, variant)`` of ``direction``, sorted by the parameter."""
     found: dict[str, list[tuple[float, str]]] = {method: [] for method in METHODS}
@@ -299,72 +291,84 @@ def direction_table(runs: dict, direction: str) -> None:
     print()
 
 
-def uniform_curve(runs: dict, direction: str) -> list[tuple[float, float, float]]:
-    """``(shift, accuracy drop, unparseable)`` means of ``none`` and the uniform variants, by
-    shift (a variant without a shift or a drop is left out)."""
-    names = ["none"] + [v for _, v in variants_of(runs, direction)["uniform"]]
+def _seed_points(runs: dict, names: list[str], seed: int) -> list[tuple[float, float, float]]:
+    """``(shift, accuracy drop, unparseable)`` of ``names`` for one seed, in the given order (a
+    run without them is left out)."""
     points = []
     for name in names:
-        shift, drop = _mean(runs, name, "preference_shift"), _mean(runs, name, "accuracy_drop")
-        if math.isfinite(shift) and math.isfinite(drop):
-            points.append((shift, drop, _mean(runs, name, "unparseable")))
-    return sorted(points)
+        metrics = runs.get(name, {}).get(seed) or {}
+        point = [metrics.get(f"test/{m}") for m in ("preference_shift", "accuracy_drop",
+                                                    "unparseable")]  # fmt: skip
+        if all(v is not None and math.isfinite(v) for v in point):
+            points.append(tuple(point))
+    return points
 
 
-def interpolate(points: list[tuple[float, float, float]], x: float, column: int) -> float | None:
-    """Linear interpolation of ``column`` at shift ``x``; ``None`` outside the points' span."""
-    if not points or not points[0][0] <= x <= points[-1][0]:
-        return None
-    for left, right in zip(points, points[1:], strict=False):
-        if left[0] <= x <= right[0]:
-            if right[0] == left[0]:
-                return left[column]
-            weight = (x - left[0]) / (right[0] - left[0])
-            return left[column] + weight * (right[column] - left[column])
-    return points[0][column]  # a single point, at exactly x
+def first_crossing(curve: list[tuple[float, float, float]], shift: float) -> tuple | None:
+    """Drop and unparseable share where the curve (in strength order) first reaches ``shift``,
+    linearly interpolated; ``None`` if it never does."""
+    for left, right in zip(curve, curve[1:], strict=False):
+        if left[0] < shift <= right[0]:
+            weight = (shift - left[0]) / (right[0] - left[0])
+            return tuple(left[i] + weight * (right[i] - left[i]) for i in (1, 2))
+    if curve and curve[0][0] >= shift:
+        return curve[0][1], curve[0][2]
+    return None
+
+
+def _best_shift(points: list[tuple[float, float, float]], max_drop: float) -> float:
+    return max([p[0] for p in points if p[1] <= max_drop], default=0.0)
 
 
 def matched_table(runs: dict, direction: str) -> None:
-    curve = uniform_curve(runs, direction)
-    span = f"{curve[0][0]:+.3f} to {curve[-1][0]:+.3f}" if curve else "empty"
-    print(
-        f"## Matched preference shift, towards the {direction}: uniform steering's accuracy drop "
-        f"and unparseable share at each AMPS variant's mean shift (uniform curve: "
-        f"{len(curve)} points of none and the uniform variants, shift {span})\n"
-    )
-    print(
-        "| variant | preference shift | accuracy drop | uniform drop at that shift | ratio "
-        "AMPS / uniform | unparseable | uniform unparseable at that shift |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    """Per seed, each AMPS point against that seed's uniform curve (none, then the uniform
+    variants by strength) where it first reaches the AMPS point's shift."""
     found = variants_of(runs, direction)
-    for _, name in found["mcr"] + found["learned"]:
-        shift, drop = _mean(runs, name, "preference_shift"), _mean(runs, name, "accuracy_drop")
-        cells = [mean_std(values(runs, name, "preference_shift"), signed=True),
-                 mean_std(values(runs, name, "accuracy_drop"))]  # fmt: skip
-        uniform_drop = interpolate(curve, shift, 1) if math.isfinite(shift) else math.nan
-        if not math.isfinite(shift):
-            cells += ["–", "–"]
-        elif uniform_drop is None:
-            cells += ["outside the uniform range", "–"]
-        else:
-            ratio = (
-                f"{drop / uniform_drop:.2f}" if uniform_drop > 0 and math.isfinite(drop) else "–"
-            )
-            cells += [f"{uniform_drop:.3f}", ratio]
-        cells.append(mean_std(values(runs, name, "unparseable")))
-        uniform_unparseable = interpolate(curve, shift, 2) if math.isfinite(shift) else math.nan
-        if uniform_unparseable is None:
-            cells.append("outside the uniform range")
-        else:
-            cells.append(
-                f"{uniform_unparseable:.3f}" if math.isfinite(uniform_unparseable) else "–"
-            )
-        print(f"| {name} | " + " | ".join(cells) + " |")
+    uniform_names = ["none"] + [v for _, v in found["uniform"]]
+    seeds = sorted({seed for by_seed in runs.values() for seed in by_seed})
     print(
-        "\nThe uniform curve joins the mean points in order of shift (none: alpha 0); a ratio "
-        "below 1 means less accuracy lost than uniform steering at the same shift.\n"
+        f"## Matched preference shift, towards the {direction}, per seed: each AMPS run against "
+        "the same seed's uniform-steering curve (none, then alpha up) where it first reaches the "
+        "AMPS run's shift\n"
     )
+    print(
+        "| variant | seeds uniform reaches | drop AMPS − uniform (there) | unparseable AMPS − "
+        "uniform | seeds uniform never reaches | AMPS drop on those |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for _, name in found["mcr"] + found["learned"]:
+        drop_diff, unparseable_diff, beyond = [], [], []
+        for seed in seeds:
+            point = _seed_points(runs, [name], seed)
+            curve = _seed_points(runs, uniform_names, seed)
+            if not point or not curve:
+                continue
+            shift, drop, unparseable = point[0]
+            uniform = first_crossing(curve, shift)
+            if uniform is None:
+                beyond.append(drop)
+            else:
+                drop_diff.append(drop - uniform[0])
+                unparseable_diff.append(unparseable - uniform[1])
+        print(f"| {name} | {len(drop_diff)} | {mean_std(drop_diff, signed=True)} | "
+              f"{mean_std(unparseable_diff, signed=True)} | {len(beyond)} | "
+              f"{mean_std(beyond)} |")  # fmt: skip
+    print(
+        "\nA negative difference: less consistent-pair accuracy lost (or fewer unparseable "
+        "answers) than uniform steering at the same shift on the same model.\n"
+    )
+    print(f"## Preference control, towards the {direction}: the largest shift per seed\n")
+    print("| method | largest shift | largest shift with accuracy drop ≤ 0.05 | ≤ 0.10 |")
+    print("| --- | ---: | ---: | ---: |")
+    for method in METHODS:
+        names = ["none"] + [v for _, v in found[method]]
+        per_seed = [_seed_points(runs, names, seed) for seed in seeds]
+        per_seed = [points for points in per_seed if points]
+        cells = [mean_std([_best_shift(p, math.inf) for p in per_seed], signed=True),
+                 mean_std([_best_shift(p, 0.05) for p in per_seed], signed=True),
+                 mean_std([_best_shift(p, 0.10) for p in per_seed], signed=True)]  # fmt: skip
+        print(f"| {method} | " + " | ".join(cells) + " |")
+    print()
 
 
 def _pyplot() -> Any:
@@ -377,40 +381,38 @@ def _pyplot() -> Any:
 
 
 def plot_direction(runs: dict, direction: str, metric: str, out: Path) -> None:
-    """``metric`` against the preference shift, one line per method (see the module docstring)."""
+    """``metric`` against the preference shift, one panel per seed (the seeds' trained models
+    differ too much to average the curves first), one line per method in strength order."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    seeds = sorted({seed for by_seed in runs.values() for seed in by_seed})
+    fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 3.8), squeeze=False)
     colours = {"uniform": "tab:grey", "mcr": "tab:blue", "learned": "tab:orange"}
-    for method, items in variants_of(runs, direction).items():
-        points = []
-        for parameter, name in items:
-            x, xerr = _stats(values(runs, name, "preference_shift"))
-            y, yerr = _stats(values(runs, name, metric))
-            if math.isfinite(x) and math.isfinite(y):
-                points.append((x, y, xerr, yerr, parameter))
-        if not points:
-            continue
-        xs, ys, xerrs, yerrs, parameters = zip(*points, strict=True)
-        ax.errorbar(xs, ys, xerr=xerrs, yerr=yerrs, marker="o", capsize=3, label=method,
-                    color=colours[method])  # fmt: skip
-        key = "w" if method == "learned" else "α"
-        for x, y, parameter in zip(xs, ys, parameters, strict=True):
-            ax.annotate(f"{key}={parameter:g}", (x, y), fontsize=7, xytext=(4, 3),
-                        textcoords="offset points", color=colours[method])  # fmt: skip
-    x, y = _mean(runs, "none", "preference_shift"), _mean(runs, "none", metric)
-    if math.isfinite(x) and math.isfinite(y):
-        ax.plot([x], [y], marker="*", markersize=12, color="black", linestyle="", label="none")
-    ax.axhline(0, color="black", linewidth=0.5)
-    ax.axvline(0, color="black", linewidth=0.5)
-    ax.set_xlabel(f"preference shift towards the {direction} (conflicts)")
-    ax.set_ylabel(
+    column = {"accuracy_drop": 1, "unparseable": 2}[metric]
+    for ax, seed in zip(axes[0], seeds, strict=True):
+        for method, items in variants_of(runs, direction).items():
+            names = ["none"] + [name for _, name in items]
+            labels = ["0"] + [f"{parameter:g}" for parameter, _ in items]
+            points = _seed_points(runs, names, seed)
+            if len(points) < 2:
+                continue
+            xs, ys = [p[0] for p in points], [p[column] for p in points]
+            ax.plot(xs, ys, marker="o", label=method, color=colours[method])
+            key = "w" if method == "learned" else "α"
+            for x, y, label in zip(xs[1:], ys[1:], labels[1:], strict=False):
+                ax.annotate(f"{key}={label}", (x, y), fontsize=7, xytext=(4, 3),
+                            textcoords="offset points", color=colours[method])  # fmt: skip
+        ax.plot([0], [0], marker="*", markersize=12, color="black", linestyle="", label="none")
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.axvline(0, color="black", linewidth=0.5)
+        ax.set_title(f"seed {seed}", fontsize=9)
+        ax.set_xlabel(f"preference shift towards the {direction}")
+    axes[0][0].set_ylabel(
         "accuracy drop (consistent pairs)" if metric == "accuracy_drop" else "unparseable share"
     )
+    axes[0][-1].legend(fontsize=8)
     kind = "pareto" if metric == "accuracy_drop" else "collapse"
-    title = f"AMPS vs uniform steering towards the {direction}: {kind}, mean ± std over seeds"
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.savefig(out / f"{kind}_{direction}.png", dpi=110, bbox_inches="tight")
+    fig.suptitle(f"AMPS vs uniform steering towards the {direction}: {kind}, per seed", fontsize=10)
+    fig.savefig(out / f"{kind}_{direction}.png", dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -83,8 +83,8 @@ def capture_hidden_states(model: nn.Module, layers: list[int]) -> Iterator[dict[
         >>> model = LlamaForCausalLM(config)
         >>> with capture_hidden_states(model, [1]) as states:
         ...     _ = model(torch.tensor([[1, 2, 3]]))
-        >>> tuple(states[1][0].shape)
-        (1, 3, 16)
+        >>> [tuple(state.shape) for state in states[1]]  # one per forward call
+        [(1, 3, 16)]
     """
     if len(set(layers)) != len(layers):
         raise InputError(f"layers must not repeat a layer, got {layers}")
