@@ -435,13 +435,8 @@ def test_amaris_merges_a_specialist_of_each_wrapper_and_generates_through_every_
         assert math.isfinite(metrics["test/loss"]) and metrics["test/gen_length"] >= 1, name
 
 
-@pytest.mark.parametrize("wrapper", list(WRAPPERS))
-def test_reliability_operators_sample_a_model_of_each_wrapper_through_every_cache(wrapper):
-    """The reliability layer is not a factor of a training run either: it samples a trained
-    model. Its operators run on a CausalLMChannel over a model of each wrapper, generating through
-    every cache; an explicit DynamicCache replays the default cache's samples exactly, and every
-    operator pays between one and max_new_tokens tokens per sample it drew (the exact count is
-    tested in tests/reliability/test_lm_channel.py)."""
+def _fitted_recall_lm(wrapper: str) -> tuple[CausalLMModule, RecallDataModule]:
+    """A tiny Llama of ``wrapper`` fitted for a few steps on a recall task (seed 0)."""
     seed_everything(0)
     module = CausalLMModule(
         hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
@@ -455,6 +450,17 @@ def test_reliability_operators_sample_a_model_of_each_wrapper_through_every_cach
         accelerator="cpu", max_steps=STEPS, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     ).fit(module, datamodule=data)  # fmt: skip
+    return module, data
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_reliability_operators_sample_a_model_of_each_wrapper_through_every_cache(wrapper):
+    """The reliability layer is not a factor of a training run either: it samples a trained
+    model. Its operators run on a CausalLMChannel over a model of each wrapper, generating through
+    every cache; an explicit DynamicCache replays the default cache's samples exactly, and every
+    operator pays between one and max_new_tokens tokens per sample it drew (the exact count is
+    tested in tests/reliability/test_lm_channel.py)."""
+    module, data = _fitted_recall_lm(wrapper)
     data.setup("test")
     examples = data.datasets["test"][:3]
     prompts = [module.tokenizer.decode(example["prompt_ids"]) for example in examples]
@@ -660,19 +666,7 @@ def test_amps_steers_a_model_of_each_wrapper_through_every_cache(wrapper):
     inference. On a model of each wrapper, a steering vector computed from two prompts moves the
     generation's scores through every cache; per-row strength 0 leaves its row exactly as
     unsteered; and after the block the model generates as before (hooks gone)."""
-    seed_everything(0)
-    module = CausalLMModule(
-        hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
-        max_position_embeddings=128, max_new_tokens=4,
-        model_wrapper=WRAPPERS[wrapper]() if WRAPPERS[wrapper] else None,
-        optimizer=partial(torch.optim.AdamW, lr=3e-3),
-    )  # fmt: skip
-    data = RecallDataModule(num_pairs=4, max_hops=1, key_length=1, num_train=BATCH,
-                            num_val=BATCH, num_test=BATCH, batch_size=BATCH, seed=0)  # fmt: skip
-    Trainer(
-        accelerator="cpu", max_steps=STEPS, limit_val_batches=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    ).fit(module, datamodule=data)  # fmt: skip
+    module, _ = _fitted_recall_lm(wrapper)
     model = module.model.eval()
     ids = torch.tensor([module.tokenizer.encode(p, add_bos=True) for p in ("a1b2:a", "c3d4:c")])
     with torch.no_grad(), capture_hidden_states(model, [0]) as states:
