@@ -120,22 +120,14 @@ def _timed_arms(batch_size: int) -> dict[str, Callable[[], Any]]:
     """The four timed functions of the module docstring, on one batch of test questions."""
     import torch
 
-    from ada_modules.data.modality_conflict import (
-        ITEM_KINDS,
-        ModalityConflictDataModule,
-        with_instruction,
-        without_image,
-        without_text,
+    from ada_modules.data.modality_conflict import ModalityConflictDataModule
+    from ada_modules.models.image_text_qa import (
+        ImageTextQAModule,
+        answer_state,
+        image_contribution_ratio,
     )
-    from ada_modules.models.image_text_qa import ImageTextQAModule, option_logits
-    from ada_modules.steering import (
-        SteeringVector,
-        StrengthPredictor,
-        capture_hidden_states,
-        mcr_scaled_strength,
-        modality_contribution_ratio,
-        steer,
-    )
+    from ada_modules.models.modality_steering import instruction_steering_vector
+    from ada_modules.steering import StrengthPredictor, mcr_scaled_strength, steer
 
     torch.manual_seed(0)
     dm = ModalityConflictDataModule(
@@ -148,29 +140,8 @@ def _timed_arms(batch_size: int) -> dict[str, Callable[[], Any]]:
     test = dm.items("test")
     batch = test[torch.arange(min(batch_size, len(test)))]
     args = (batch["patches"], batch["image_present"], batch["prompt_ids"])
-
-    def layer0_at_answer(questions: dict[str, torch.Tensor]) -> torch.Tensor:
-        with capture_hidden_states(lm, [0]) as states:
-            model(questions["patches"], questions["image_present"], questions["prompt_ids"])
-        return states[0][0][:, -1]
-
-    train = dm.items("train")
-    rows = torch.nonzero(
-        (train.kind == ITEM_KINDS.index("conflict"))
-        | (train.kind == ITEM_KINDS.index("instructed"))
-    )[:512, 0]
-    contrast = train[rows]
-    with torch.no_grad():
-        image = layer0_at_answer(with_instruction(contrast, "i"))
-        text = layer0_at_answer(with_instruction(contrast, "t"))
-    vector = SteeringVector.from_activations({0: image}, {0: text})
+    vector = instruction_steering_vector(model, dm.items("train"), layer=0)
     predictor = StrengthPredictor(64, max_strength=MCR_ALPHA).eval()
-
-    def image_mcr() -> torch.Tensor:
-        full, _ = option_logits(model, batch)
-        no_image, _ = option_logits(model, without_image(batch))
-        no_text, _ = option_logits(model, without_text(batch))
-        return modality_contribution_ratio(full, no_image, no_text)
 
     def steered(strength: float | torch.Tensor) -> torch.Tensor:
         with steer(lm, vector, strength, "last"):
@@ -186,12 +157,14 @@ def _timed_arms(batch_size: int) -> dict[str, Callable[[], Any]]:
 
     @torch.no_grad()
     def mcr() -> torch.Tensor:
-        return steered(mcr_scaled_strength(image_mcr(), MCR_ALPHA, THRESHOLD))
+        return steered(
+            mcr_scaled_strength(image_contribution_ratio(model, batch), MCR_ALPHA, THRESHOLD)
+        )
 
     @torch.no_grad()
     def learned() -> torch.Tensor:
-        target = image_mcr()
-        return steered(predictor(layer0_at_answer(batch), target))
+        target = image_contribution_ratio(model, batch)
+        return steered(predictor(answer_state(model, batch, 0), target))
 
     return {"none": none, "uniform": uniform, "mcr": mcr, "learned": learned}
 
@@ -449,36 +422,18 @@ def premise_seed(checkpoint: Path, seed: int) -> dict[str, float]:
     import torch
 
     from ada_modules.data import ModalityConflictDataModule
-    from ada_modules.data.modality_conflict import with_instruction, without_image, without_text
     from ada_modules.models import ImageTextQAModule
-    from ada_modules.models.image_text_qa import option_logits
-    from ada_modules.steering import (
-        SteeringVector,
-        capture_hidden_states,
-        modality_contribution_ratio,
-        steer,
-    )
+    from ada_modules.models.image_text_qa import image_contribution_ratio, option_logits
+    from ada_modules.models.modality_steering import instruction_steering_vector
+    from ada_modules.steering import steer
 
     torch.manual_seed(seed)
     base = ImageTextQAModule.load_from_checkpoint(checkpoint, map_location="cpu").eval()
     model = base.model
     data = ModalityConflictDataModule(seed=seed, **_steer_config())
     data.setup("test")
-    test, train = data.items("test"), data.items("train")
+    test = data.items("test")
     batch = test[torch.arange(len(test))]
-    rows = torch.nonzero((train.kind == 1) | (train.kind == 2))[:512, 0]
-    contrast = train[rows]
-
-    def last_state(b: dict[str, Any]) -> Any:
-        with capture_hidden_states(model.lm, [0]) as states:
-            model(b["patches"], b["image_present"], b["prompt_ids"])
-        return states[0][0][:, -1]
-
-    def image_mcr(b: dict[str, Any]) -> Any:
-        full, _ = option_logits(model, b)
-        no_image, _ = option_logits(model, without_image(b))
-        no_text, _ = option_logits(model, without_text(b))
-        return modality_contribution_ratio(full, no_image, no_text)
 
     def follows_image(b: dict[str, Any], alpha: float) -> Any:
         with steer(model.lm, vector, alpha, "last"):
@@ -487,11 +442,8 @@ def premise_seed(checkpoint: Path, seed: int) -> dict[str, float]:
         return chosen == b["image_class"]
 
     with torch.no_grad():
-        direction = last_state(with_instruction(contrast, "i")).mean(0) - last_state(
-            with_instruction(contrast, "t")
-        ).mean(0)
-        vector = SteeringVector({0: direction})
-        mcr = image_mcr(batch)
+        vector = instruction_steering_vector(model, data.items("train"), layer=0)
+        mcr = image_contribution_ratio(model, batch)
         base_image = follows_image(batch, 0.0)
         conflict, consistent = batch["kind"] == 1, batch["kind"] == 0
         sure, hedged = conflict & ~batch["hedged"], conflict & batch["hedged"]
@@ -499,7 +451,7 @@ def premise_seed(checkpoint: Path, seed: int) -> dict[str, float]:
             **batch,
             "patches": batch["patches"] + HEAVY_NOISE * torch.randn_like(batch["patches"]),
         }
-        mcr_noisy = image_mcr(noisy)
+        mcr_noisy = image_contribution_ratio(model, noisy)
         flip = torch.full((len(test),), math.inf)
         for alpha in reversed(FLIP_GRID):  # the smallest grid strength that answers the image
             flip = torch.where(follows_image(batch, alpha), torch.tensor(alpha), flip)

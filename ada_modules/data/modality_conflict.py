@@ -16,7 +16,7 @@ instance (what the Modality Contribution Ratio measures).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -327,8 +327,3 @@ class ModalityConflictDataModule(SplitDataModule):
         if split not in self.datasets:
             raise RuntimeError(f"the {split} split is not set up; call setup() first")
         return self.datasets[split]
-
-
-def select(items: ModalityConflictItems, mask: Tensor) -> ModalityConflictItems:
-    """The rows of ``items`` where ``mask`` is true."""
-    return replace(items, **{f.name: getattr(items, f.name)[mask] for f in fields(items)})

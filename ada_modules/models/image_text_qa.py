@@ -10,13 +10,14 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 from torch.nn import functional as F
 
-from ada_modules.data.modality_conflict import ITEM_KINDS
+from ada_modules.data.modality_conflict import ITEM_KINDS, without_image, without_text
 from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.errors import InputError
 from ada_modules.models.causal_lm import build_causal_lm
 from ada_modules.nn.image_prefix_lm import ImagePrefixLM
+from ada_modules.steering import capture_hidden_states, modality_contribution_ratio
 
-__all__ = ["ImageTextQAModule", "option_logits"]
+__all__ = ["ImageTextQAModule", "answer_state", "image_contribution_ratio", "option_logits"]
 
 
 def option_logits(model: ImagePrefixLM, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -25,6 +26,22 @@ def option_logits(model: ImagePrefixLM, batch: dict[str, Tensor]) -> tuple[Tenso
     logits = model(batch["patches"], batch["image_present"], batch["prompt_ids"])[:, -1]
     letters = torch.tensor(CharTokenizer().encode("AB"), device=logits.device)
     return logits[:, letters], logits
+
+
+def answer_state(model: ImagePrefixLM, batch: dict[str, Tensor], layer: int) -> Tensor:
+    """Decoder ``layer``'s output at the prompt's last position, ``(batch, hidden)``."""
+    with capture_hidden_states(model.lm, [layer]) as states:
+        model(batch["patches"], batch["image_present"], batch["prompt_ids"])
+    return states[layer][0][:, -1]
+
+
+def image_contribution_ratio(model: ImagePrefixLM, batch: dict[str, Tensor]) -> Tensor:
+    """The image's Modality Contribution Ratio per question, by ablation of the option-letter
+    distribution (three forward passes; the text's share is one minus it)."""
+    full, _ = option_logits(model, batch)
+    no_image, _ = option_logits(model, without_image(batch))
+    no_text, _ = option_logits(model, without_text(batch))
+    return modality_contribution_ratio(full, no_image, no_text)
 
 
 class ImageTextQAModule(LightningModule):

@@ -13,31 +13,49 @@ from torch import Tensor
 from torch.nn import functional as F
 from torchmetrics.classification import BinaryAUROC
 
-from ada_modules.data.modality_conflict import (
-    ITEM_KINDS,
-    ModalityConflictItems,
-    with_instruction,
-    without_image,
-    without_text,
-)
+from ada_modules.data.modality_conflict import ITEM_KINDS, ModalityConflictItems, with_instruction
 from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.errors import InputError
-from ada_modules.models.image_text_qa import ImageTextQAModule, option_logits
+from ada_modules.models.image_text_qa import (
+    ImageTextQAModule,
+    answer_state,
+    image_contribution_ratio,
+    option_logits,
+)
+from ada_modules.nn.image_prefix_lm import ImagePrefixLM
 from ada_modules.steering import (
     SteeringVector,
     StrengthPredictor,
-    capture_hidden_states,
     compression_ratio,
     mcr_scaled_strength,
-    modality_contribution_ratio,
     repeated_ngram_fraction,
     steer,
 )
 
-__all__ = ["ModalitySteeringModule"]
+__all__ = ["ModalitySteeringModule", "instruction_steering_vector"]
 
 _CONFLICT = ITEM_KINDS.index("conflict")
 _CONSISTENT = ITEM_KINDS.index("consistent")
+
+
+@torch.no_grad()
+def instruction_steering_vector(
+    model: ImagePrefixLM, items: ModalityConflictItems, layer: int, contrast_items: int = 512
+) -> SteeringVector:
+    """MC²'s steering vector towards the image: the mean difference of ``layer``'s output at the
+    prompt's last position between the first ``contrast_items`` training conflicts (and
+    instructed items) asked with "follow the image" and the same asked with "follow the text".
+    Negate it to steer towards the text."""
+    kinds = items.kind
+    rows = torch.nonzero((kinds == _CONFLICT) | (kinds == ITEM_KINDS.index("instructed")))
+    rows = rows[:contrast_items, 0]
+    if len(rows) == 0:
+        raise InputError("the training split holds no conflicts to compute a steering vector")
+    device = next(model.parameters()).device
+    batch = {key: value.to(device) for key, value in items[rows].items()}
+    follow_image = answer_state(model, with_instruction(batch, "i"), layer)
+    follow_text = answer_state(model, with_instruction(batch, "t"), layer)
+    return SteeringVector.from_activations({layer: follow_image}, {layer: follow_text})
 
 
 class ModalitySteeringModule(LightningModule):
@@ -95,7 +113,7 @@ class ModalitySteeringModule(LightningModule):
 
             model:
               class_path: ada_modules.models.ModalitySteeringModule
-              init_args: {base_checkpoint: runs/amps_base/checkpoints/last.ckpt,
+              init_args: {base_checkpoint: runs/amps/base/checkpoints/last.ckpt,
                           direction: image, strength: mcr, alpha: 8.0}
     """
 
@@ -181,30 +199,16 @@ class ModalitySteeringModule(LightningModule):
             self.predictor = StrengthPredictor(hidden, max_strength=float(self.hparams.alpha)).to(
                 self.device
             )
-        datamodule = self.trainer.datamodule
-        self.direction_vector = self._steering_vector(datamodule.items("train")).to(self.device)
-
-    @torch.no_grad()
-    def _steering_vector(self, items: ModalityConflictItems) -> Tensor:
-        kinds = items.kind
-        rows = torch.nonzero((kinds == _CONFLICT) | (kinds == ITEM_KINDS.index("instructed")))
-        rows = rows[: self.hparams.contrast_items, 0]
-        if len(rows) == 0:
-            raise InputError("the training split holds no conflicts to compute a steering vector")
-        batch = {key: value.to(self.device) for key, value in items[rows].items()}
-        states = {}
-        for instruction in "it":
-            hidden = self._hidden_at_answer(with_instruction(batch, instruction))
-            states[instruction] = {self.hparams.layer: hidden}
-        positive, negative = ("i", "t") if self.hparams.direction == "image" else ("t", "i")
-        vector = SteeringVector.from_activations(states[positive], states[negative])
-        return vector.directions[self.hparams.layer]
+        vector = instruction_steering_vector(
+            base.model, self.trainer.datamodule.items("train"), self.hparams.layer,
+            self.hparams.contrast_items,
+        )  # fmt: skip
+        direction = vector.directions[self.hparams.layer]
+        self.direction_vector = direction if self.hparams.direction == "image" else -direction
 
     def _hidden_at_answer(self, batch: dict[str, Tensor]) -> Tensor:
         """The steered layer's output at the prompt's last position, ``(batch, hidden)``."""
-        with capture_hidden_states(self.base.model.lm, [self.hparams.layer]) as states:
-            self.base.model(batch["patches"], batch["image_present"], batch["prompt_ids"])
-        return states[self.hparams.layer][0][:, -1]
+        return answer_state(self.base.model, batch, self.hparams.layer)
 
     @property
     def steering_vector(self) -> SteeringVector:
@@ -216,10 +220,7 @@ class ModalitySteeringModule(LightningModule):
     @torch.no_grad()
     def target_mcr(self, batch: dict[str, Tensor]) -> Tensor:
         """The target modality's Modality Contribution Ratio per question (by ablation)."""
-        full, _ = option_logits(self.base.model, batch)
-        no_image, _ = option_logits(self.base.model, without_image(batch))
-        no_text, _ = option_logits(self.base.model, without_text(batch))
-        image_share = modality_contribution_ratio(full, no_image, no_text)
+        image_share = image_contribution_ratio(self.base.model, batch)
         return image_share if self.hparams.direction == "image" else 1 - image_share
 
     def strengths(self, batch: dict[str, Tensor], target_mcr: Tensor) -> Tensor:
