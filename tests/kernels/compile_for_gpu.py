@@ -37,6 +37,7 @@ from ada_modules.kernels import (
     adkv_decode_attention,
     adkv_dequantize,
     decode_attention,
+    delta_codec,
     dequantize,
     dequantize_int8_absmax,
     interpreter_enabled,
@@ -159,6 +160,24 @@ def _calls() -> list[tuple[str, Callable[[], object]]]:
             (
                 f"decode_from {dtype}",
                 lambda b=buffer, c=cache, s=spill, d=dtype: decode_from(
+                    b, c, 4096, d, spill=s, impl="triton"
+                ),
+            ),
+        ]
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4096, dtype=dtype)
+        cache = torch.zeros(4096, dtype=dtype)
+        buffer, spill = delta_codec.encode_into_reference(x, cache, 64, chunk_size=256)
+        calls += [
+            (
+                f"delta encode_into {dtype}",
+                lambda x=x, c=cache: delta_codec.encode_into(
+                    x, c, 64, chunk_size=256, impl="triton"
+                ),
+            ),
+            (
+                f"delta decode_from {dtype}",
+                lambda b=buffer, c=cache, s=spill, d=dtype: delta_codec.decode_from(
                     b, c, 4096, d, spill=s, impl="triton"
                 ),
             ),
