@@ -432,22 +432,20 @@ def _read_chunk_words(buffer: torch.Tensor, n_chunks: int) -> ChunkForms:
 
 
 class _Planes:
-    """Where the planes of each element's chunk start, as the encoder and decoder walk them.
+    """Where the planes of each chunk start, as the encoder and decoder walk them (torch).
 
-    Each step places one plane per chunk (entries of a subset ``active`` of the elements, in
-    element order) right after the previous plane of that chunk and returns every active
-    element's bit position in the stream.
+    Each :meth:`place` puts one plane in every chunk that has entries in it (the elements
+    ``idx``, ascending), right after the chunk's previous plane, and returns each entry's bit
+    position in the stream.
     """
 
-    def __init__(self, offsets: torch.Tensor, chunk_of: torch.Tensor, n_chunks: int) -> None:
-        self.cursor = offsets.clone()  # byte where each chunk's next plane starts
-        self.chunk_of = chunk_of
-        self.n_chunks = n_chunks
+    def __init__(self, cursor: torch.Tensor, chunk_size: int) -> None:
+        self.cursor = cursor.clone()  # byte where each chunk's next plane starts
+        self.chunk_size = chunk_size
 
-    def place(self, active: torch.Tensor) -> torch.Tensor:
-        idx = active.nonzero().squeeze(1)
-        chunk = self.chunk_of[idx]
-        count = torch.bincount(chunk, minlength=self.n_chunks)
+    def place(self, idx: torch.Tensor) -> torch.Tensor:
+        chunk = idx // self.chunk_size
+        count = torch.bincount(chunk, minlength=self.cursor.numel())
         rank = (
             torch.arange(idx.numel(), device=idx.device) - (torch.cumsum(count, 0) - count)[chunk]
         )
@@ -455,16 +453,41 @@ class _Planes:
         self.cursor += (count + 7) // 8
         return bit
 
+    def place_low_bits(self, k: torch.Tensor, lengths: torch.Tensor) -> list:
+        """The ``k`` full planes of each ``EG(k)`` chunk: per plane ``b``, the elements of the
+        chunks with ``k > b`` and their bit positions."""
+        k_of = k.repeat_interleave(lengths)
+        idx = (k_of > 0).nonzero().squeeze(1)
+        chunk = idx // self.chunk_size
+        row = (lengths + 7) // 8
+        base = 8 * self.cursor[chunk] + idx - chunk * self.chunk_size
+        planes = []
+        b = 0
+        while idx.numel():
+            planes.append((idx, base + 8 * b * row[chunk]))
+            deeper = k_of[idx] > b + 1
+            idx, chunk, base = idx[deeper], chunk[deeper], base[deeper]
+            b += 1
+        self.cursor += k.clamp(min=0) * row
+        return planes
 
-def _stream_layout(
-    forms: ChunkForms, numel: int, chunk_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(offsets, chunk_of, k_of)``: each chunk's stream offset, each element's chunk and its
-    chunk's ``EG`` order (``-1`` for ``SAME``/``RAW``)."""
+
+def _stream_layout(forms: ChunkForms, numel: int, chunk_size: int) -> tuple[torch.Tensor, ...]:
+    """``(offsets, lengths, k)``: per chunk its stream offset, its elements and its ``EG`` order
+    (``-1`` for ``SAME``/``RAW``)."""
     offsets = torch.cumsum(forms.size, 0) - forms.size
-    chunk_of = torch.arange(numel, device=forms.form.device) // chunk_size
+    lengths = _chunk_lengths(numel, chunk_size, forms.form.device)
     k = torch.where(forms.form >= 2, forms.form - 2, -1)
-    return offsets, chunk_of, k[chunk_of]
+    return offsets, lengths, k
+
+
+def _raw_positions(
+    forms: ChunkForms, offsets: torch.Tensor, lengths: torch.Tensor, chunk_size: int, nbytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elements of ``RAW`` chunks and where their first byte is in the stream."""
+    idx = (forms.form == RAW).repeat_interleave(lengths).nonzero().squeeze(1)
+    chunk = idx // chunk_size
+    return idx, offsets[chunk] + nbytes * (idx - chunk * chunk_size)
 
 
 def _encode_stream(
@@ -472,39 +495,34 @@ def _encode_stream(
 ) -> torch.Tensor:
     """The stream bytes of every chunk in its given form (torch)."""
     numel, device = z.numel(), z.device
-    n_chunks = forms.form.numel()
-    offsets, chunk_of, k = _stream_layout(forms, numel, chunk_size)
-    total = int(forms.size.sum())
-    bits = torch.zeros(8 * total, dtype=torch.uint8, device=device)
-    planes = _Planes(offsets, chunk_of, n_chunks)
-    for b in range(width):  # low bits of z
-        active = k > b
-        if not active.any():
-            break
-        bits[planes.place(active)] = ((z[active] >> b) & 1).to(torch.uint8)
-    eg = k >= 0
-    q = z >> k.clamp(min=0)
+    offsets, lengths, k = _stream_layout(forms, numel, chunk_size)
+    bits = torch.zeros(8 * int(forms.size.sum()), dtype=torch.uint8, device=device)
+    planes = _Planes(offsets, chunk_size)
+    for b, (element, pos) in enumerate(planes.place_low_bits(k, lengths)):
+        bits[pos] = ((z[element] >> b) & 1).to(torch.uint8)
+    k_of = k.repeat_interleave(lengths)
+    idx = (k_of >= 0).nonzero().squeeze(1)
+    q = z >> k_of.clamp(min=0)
     m = _bit_length(q)
-    for j in range(width):  # unary planes
-        active = eg & (m >= j) & (j < width - k)
-        if not active.any():
+    mantissa = idx[m[idx] >= 2]
+    for j in range(width):  # unary planes: U_j over S_j = {m >= j}, where j < width - k
+        idx = idx[j < width - k_of[idx]]
+        if not idx.numel():
             break
-        bits[planes.place(active)] = (m[active] > j).to(torch.uint8)
-    for j in range(2, width + 1):  # mantissa planes
-        active = eg & (m >= j)
-        if not active.any():
+        above = m[idx] > j
+        bits[planes.place(idx)] = above.to(torch.uint8)
+        idx = idx[above]
+    for j in range(2, width + 1):  # mantissa planes: M_j over S_j, bit j - 2 of q
+        if not mantissa.numel():
             break
-        bits[planes.place(active)] = ((q[active] >> (j - 2)) & 1).to(torch.uint8)
+        bits[planes.place(mantissa)] = ((q[mantissa] >> (j - 2)) & 1).to(torch.uint8)
+        mantissa = mantissa[m[mantissa] > j]
     weights = (1 << torch.arange(8, device=device)).to(torch.uint8)
     stream = (bits.view(-1, 8) * weights).sum(1, dtype=torch.uint8)
-    raw = (forms.form == RAW)[chunk_of]
-    if raw.any():
-        nbytes = width // 8
-        idx = raw.nonzero().squeeze(1)
-        chunk = chunk_of[idx]
-        start = offsets[chunk] + nbytes * (idx - chunk * chunk_size)
-        for byte in range(nbytes):
-            stream[start + byte] = ((u[idx] >> (8 * byte)) & 0xFF).to(torch.uint8)
+    nbytes = width // 8
+    idx, start = _raw_positions(forms, offsets, lengths, chunk_size, nbytes)
+    for byte in range(nbytes):
+        stream[start + byte] = ((u[idx] >> (8 * byte)) & 0xFF).to(torch.uint8)
     return stream
 
 
@@ -513,39 +531,37 @@ def _decode_stream(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(z, raw_mask, raw_bits)`` of every element from the stream (torch)."""
     device = stream.device
-    n_chunks = forms.form.numel()
-    offsets, chunk_of, k = _stream_layout(forms, numel, chunk_size)
+    offsets, lengths, k = _stream_layout(forms, numel, chunk_size)
     bits = ((stream[:, None] >> torch.arange(8, device=device, dtype=torch.uint8)) & 1).reshape(-1)
     bits = bits.to(torch.int64)
-    planes = _Planes(offsets, chunk_of, n_chunks)
+    planes = _Planes(offsets, chunk_size)
     low = torch.zeros(numel, dtype=torch.int64, device=device)
-    for b in range(width):
-        active = k > b
-        if not active.any():
-            break
-        low[active] |= bits[planes.place(active)] << b
-    eg = k >= 0
+    for b, (element, pos) in enumerate(planes.place_low_bits(k, lengths)):
+        low[element] |= bits[pos] << b
+    k_of = k.repeat_interleave(lengths)
+    idx = (k_of >= 0).nonzero().squeeze(1)
     m = torch.zeros(numel, dtype=torch.int64, device=device)
     for j in range(width):
-        active = eg & (m >= j) & (j < width - k)
-        if not active.any():
+        idx = idx[j < width - k_of[idx]]
+        if not idx.numel():
             break
-        m[active] += bits[planes.place(active)]
+        above = bits[planes.place(idx)]
+        m[idx] += above
+        idx = idx[above == 1]
     q = torch.where(m > 0, torch.ones_like(m) << (m - 1).clamp(min=0), 0)
+    mantissa = (m >= 2).nonzero().squeeze(1)
     for j in range(2, width + 1):
-        active = eg & (m >= j)
-        if not active.any():
+        if not mantissa.numel():
             break
-        q[active] |= bits[planes.place(active)] << (j - 2)
-    z = torch.where(eg, (q << k.clamp(min=0)) | low, 0)
-    raw = (forms.form == RAW)[chunk_of]
+        q[mantissa] |= bits[planes.place(mantissa)] << (j - 2)
+        mantissa = mantissa[m[mantissa] > j]
+    z = torch.where(k_of >= 0, (q << k_of.clamp(min=0)) | low, 0)
+    raw = (forms.form == RAW).repeat_interleave(lengths)
     raw_bits = torch.zeros(numel, dtype=torch.int64, device=device)
-    if raw.any():
-        idx = raw.nonzero().squeeze(1)
-        chunk = chunk_of[idx]
-        start = offsets[chunk] + (width // 8) * (idx - chunk * chunk_size)
-        for byte in range(width // 8):
-            raw_bits[idx] |= stream[start + byte].to(torch.int64) << (8 * byte)
+    nbytes = width // 8
+    idx, start = _raw_positions(forms, offsets, lengths, chunk_size, nbytes)
+    for byte in range(nbytes):
+        raw_bits[idx] |= stream[start + byte].to(torch.int64) << (8 * byte)
     return z, raw, raw_bits
 
 
