@@ -7,6 +7,7 @@ from ada_modules.strategies.adera import (
     require_custom_all_gather,
     verify_exponent_caches,
 )
+from ada_modules.strategies.adera_budget import ValueCacheBudget
 from ada_modules.strategies.adera_cost_model import CostModel
 from ada_modules.strategies.adera_stats import GatherStats
 from ada_modules.strategies.adera_strategy import AdERAStrategy
@@ -27,6 +28,7 @@ __all__ = [
     "GatherRecord",
     "GatherStats",
     "ShardSpec",
+    "ValueCacheBudget",
     "find_blocks",
     "is_sharded",
     "shard_module",

@@ -22,6 +22,11 @@ decoded (the largest exception stream of the last few gathers) and of shared con
 ranks agree without extra communication. The result is bitwise identical to the default
 all-gather; ``shadow=True`` also runs the default all-gather and checks that.
 
+With ``reuse="value"`` the cache holds the group's whole previous value instead (its dtype's bytes
+per element rather than one), and the payload is :mod:`ada_modules.kernels.delta_codec`'s: small
+integer moves of each element's bits since the last gather, in Exp-Golomb bit planes, so an element
+that did not move costs about a bit and one that moved a few units in the last place a few bits.
+
 Gathers are sent raw in mode ``"never"``, for groups smaller than ``min_numel``, for dtypes other
 than bf16/fp32 (with a one-time warning), for the first gather of a group (no cache yet), and in
 mode ``"auto"`` when the :class:`~ada_modules.strategies.adera_cost_model.CostModel` predicts no
@@ -48,8 +53,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ada_modules.errors import InputError
+from ada_modules.kernels import delta_codec
 from ada_modules.kernels import exponent_codec as codec
 from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
+from ada_modules.strategies.adera_budget import ValueCacheBudget
 from ada_modules.strategies.adera_cost_model import CostModel
 from ada_modules.strategies.adera_stats import GatherStats
 from ada_modules.strategies.adera_trace import GatherRecord
@@ -63,6 +70,7 @@ __all__ = [
     "MIN_TORCH_VERSION",
     "AdERAAllGather",
     "Mode",
+    "Reuse",
     "check_impl",
     "install_adera_all_gather",
     "require_custom_all_gather",
@@ -77,6 +85,9 @@ MIN_TORCH_VERSION = "2.9"
 
 Mode = Literal["auto", "always", "never"]
 """When a group's all-gather is compressed: cost-model decision, always, or never."""
+Reuse = Literal["exponent", "value", "auto"]
+"""What the receivers cache: each element's exponent (1 byte), its whole previous value, or the
+value while a shared :class:`~ada_modules.strategies.adera_budget.ValueCacheBudget` allows."""
 
 _WARNED_DTYPES: set[torch.dtype] = set()
 
@@ -159,8 +170,9 @@ class AdERAAllGather(_AllGatherBase):
     """FSDP2 custom all-gather that sends sign+mantissa planes and only the changed exponents.
 
     Install one instance per FSDP module with :func:`install_adera_all_gather` (or
-    ``fsdp_module.set_custom_all_gather(AdERAAllGather(...))``). The instance keeps the exponent
-    cache of its parameter group (``world_size * shard_numel`` bytes on every rank) and its
+    ``fsdp_module.set_custom_all_gather(AdERAAllGather(...))``). The instance keeps the cache of
+    its parameter group on every rank (:attr:`cache_nbytes`: ``world_size * shard_numel`` bytes
+    with ``reuse="exponent"``, the group's full size in its dtype with ``reuse="value"``) and its
     :attr:`stats`.
 
     Set ``trace`` to a list (several instances may share one) to append a
@@ -175,14 +187,24 @@ class AdERAAllGather(_AllGatherBase):
     Args:
         mode: ``"auto"`` (compress when ``cost_model`` predicts a saving), ``"always"`` or
             ``"never"``.
+        reuse: ``"exponent"`` (cache one exponent byte per element; the payload always carries
+            every sign and mantissa, so at least half (bf16) or three quarters (fp32) of the raw
+            bytes) or ``"value"`` (cache the previous value; the payload carries only how each
+            element moved, see :mod:`ada_modules.kernels.delta_codec`: 2× (bf16) or 4× (fp32)
+            the exponent cache's memory for far fewer bytes on the wire), or ``"auto"``: value
+            reuse if the group's value cache fits what is left of ``value_cache_budget`` at its
+            first tracked gather, exponent reuse otherwise (:attr:`reuse` then says which).
+        value_cache_budget: The budget ``reuse="auto"`` draws on, shared by the groups of a model
+            (:func:`install_adera_all_gather` makes one from ``value_cache_bytes``).
         cost_model: The model ``"auto"`` consults; identical on every rank (default:
             :class:`~ada_modules.strategies.adera_cost_model.CostModel`'s defaults). A group
             that it would not compress even without any changed exponent keeps no cache.
         min_numel: Groups with fewer elements (all ranks together) are never compressed and keep
             no cache.
         chunk_size: Elements per exception chunk of the codec.
-        initial_capacity: Exception-area capacity of the first compressed gather, as a fraction of
-            the shard's elements (later capacities follow the decoded statistics).
+        initial_capacity: Stream capacity of the first compressed gather, as a fraction of the
+            shard's elements (``reuse="exponent"``) or raw bytes (``reuse="value"``); later
+            capacities follow the decoded statistics.
         headroom: Capacity = ``headroom`` times the largest exception stream (over all ranks) of
             the gathers ``period``, ``2 * period``, ... back within the last ``window`` gathers,
             rounded up to 64 bytes.
@@ -207,6 +229,8 @@ class AdERAAllGather(_AllGatherBase):
         self,
         mode: Mode = "auto",
         *,
+        reuse: Reuse = "exponent",
+        value_cache_budget: ValueCacheBudget | None = None,
         cost_model: CostModel | None = None,
         min_numel: int = 1 << 16,
         chunk_size: int = codec.DEFAULT_CHUNK_SIZE,
@@ -221,6 +245,13 @@ class AdERAAllGather(_AllGatherBase):
         require_custom_all_gather()
         if mode not in get_args(Mode):
             raise InputError(f"mode must be one of {get_args(Mode)}, got {mode!r}")
+        if reuse not in get_args(Reuse):
+            raise InputError(f"reuse must be one of {get_args(Reuse)}, got {reuse!r}")
+        if (reuse == "auto") != (value_cache_budget is not None):
+            raise InputError(
+                "reuse='auto' needs a value_cache_budget, and only reuse='auto' takes one; got "
+                f"reuse={reuse!r} with value_cache_budget={value_cache_budget!r}"
+            )
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise InputError(f"min_numel must be a non-negative int, got {min_numel!r}")
         if (
@@ -241,6 +272,8 @@ class AdERAAllGather(_AllGatherBase):
             raise InputError(f"period must be an int in [1, window={window}], got {period!r}")
         check_impl(impl)
         self.mode: Mode = mode
+        self.reuse: Reuse = reuse
+        self.value_cache_budget = value_cache_budget
         self.cost_model = cost_model if cost_model is not None else CostModel()
         self.min_numel = min_numel
         self.chunk_size = chunk_size
@@ -381,25 +414,46 @@ class AdERAAllGather(_AllGatherBase):
             return False
         if numel * world < self.min_numel:
             return False
+        claimed = 0
+        if self.reuse == "auto":
+            value_cache = world * codec.raw_nbytes(numel, dtype)
+            claimed = value_cache if self.value_cache_budget.claim(value_cache) else 0
+            self.reuse = "value" if claimed else "exponent"
         if self.mode == "auto":
-            # The smallest payload (no exception byte) bounds every later one: if even that does
+            # The smallest payload (no stream byte) bounds every later one: if even that does
             # not pay, no change rate will, so the group keeps no cache.
-            smallest = codec.payload_nbytes(numel, dtype, 0, self.chunk_size)
-            return self.cost_model.should_compress(numel, dtype, world, smallest)
+            smallest = self._codec.payload_nbytes(numel, dtype, 0, self.chunk_size)
+            pays = self.cost_model.should_compress(numel, dtype, world, smallest)
+            if not pays and claimed:
+                self.value_cache_budget.release(claimed)
+                self.reuse = "exponent"
+            return pays
         return True
 
-    def _capacity(self, numel: int) -> int:
+    @property
+    def _codec(self):  # noqa: ANN202 - one of two modules with the same payload functions
+        return delta_codec if self.reuse == "value" else codec
+
+    @property
+    def cache_nbytes(self) -> int:
+        """Bytes of the cache this instance holds now (0 before the first tracked gather)."""
+        return 0 if self._cache is None else self._cache.numel() * self._cache.element_size()
+
+    def _capacity(self, numel: int, dtype: torch.dtype) -> int:
+        # A stream never exceeds one byte per element (exponents) or the raw shard (values).
+        most = codec.raw_nbytes(numel, dtype) if self.reuse == "value" else numel
         same_phase = list(self._history)[-self.period :: -self.period]
         if same_phase:
             want = math.ceil(self.headroom * max(same_phase))
         else:
-            want = math.ceil(self.initial_capacity * numel)
-        return min(-(-want // 64) * 64, numel)  # a stream never exceeds one byte per element
+            want = math.ceil(self.initial_capacity * most)
+        return min(-(-want // 64) * 64, most)
 
     def _decide(self, numel: int, dtype: torch.dtype, world: int) -> bool:
         if self.mode == "always":
             return True
-        payload = codec.payload_nbytes(numel, dtype, self._capacity(numel), self.chunk_size)
+        capacity = self._capacity(numel, dtype)
+        payload = self._codec.payload_nbytes(numel, dtype, capacity, self.chunk_size)
         return self.cost_model.should_compress(numel, dtype, world, payload)
 
     def _record(self, streams: list[int], changed: int, numel: int) -> None:
@@ -409,6 +463,9 @@ class AdERAAllGather(_AllGatherBase):
         self.stats.changed_exponents += changed
 
     def _refresh_cache(self, output_tensor: torch.Tensor, world: int) -> None:
+        if self.reuse == "value":
+            self._refresh_value_cache(output_tensor, world)
+            return
         start = time.perf_counter()
         new = codec.extract_exponents(output_tensor)
         if self._cache is not None:
@@ -426,13 +483,32 @@ class AdERAAllGather(_AllGatherBase):
         self._cache = new
         self.stats.codec_time_s += time.perf_counter() - start
 
+    def _refresh_value_cache(self, output_tensor: torch.Tensor, world: int) -> None:
+        start = time.perf_counter()
+        new = output_tensor.detach().reshape(-1)
+        if self._cache is not None:
+            numel = new.numel() // world
+            old, cur = self._cache.view(world, numel), new.view(world, numel)
+            streams = [
+                int(delta_codec.chunk_forms(cur[r], old[r], self.chunk_size).size.sum())
+                for r in range(world)
+            ]
+            self._record(streams, _changed_exponents(cur, old), numel)
+            self._cache.copy_(new)
+        else:
+            self._cache = new.clone()
+        self.stats.codec_time_s += time.perf_counter() - start
+
     def _compressed_gather(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
+        if self.reuse == "value":
+            self._compressed_value_gather(output_tensor, input_tensor, group)
+            return
         world, rank = group.size(), group.rank()
         numel, dtype, device = input_tensor.numel(), input_tensor.dtype, input_tensor.device
         cache = self._cache.view(world, numel)
-        capacity = self._capacity(numel)
+        capacity = self._capacity(numel, dtype)
         stats = self.stats
 
         start = time.perf_counter()
@@ -458,22 +534,7 @@ class AdERAAllGather(_AllGatherBase):
         spills = [max(s - capacity, 0) for s in streams]
         stats.codec_time_s += time.perf_counter() - start
 
-        sent = world * buffer.numel()
-        if max(spills) > 0:
-            start = time.perf_counter()
-            longest = max(spills)
-            padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-            padded[: spill.numel()] = spill
-            spill_out = torch.empty(world * longest, dtype=torch.uint8, device=device)
-            _all_gather(spill_out, padded, group=group)
-            spill_out = spill_out.view(world, longest)
-            stats.comm_time_s += time.perf_counter() - start
-            stats.spill_gathers += 1
-            sent += world * longest
-        stats.compressed_gathers += 1
-        stats.exception_bytes += sum(streams)
-        stats.bytes_sent += sent
-        stats.compressed_bytes_sent += sent
+        spill_out = self._gather_spills(spill, spills, streams, buffer.numel(), group)
         stats.compressed_raw_bytes += world * codec.raw_nbytes(numel, dtype)
 
         start = time.perf_counter()
@@ -492,6 +553,85 @@ class AdERAAllGather(_AllGatherBase):
             )
         stats.codec_time_s += time.perf_counter() - start
 
+    def _gather_spills(
+        self,
+        spill: torch.Tensor,
+        spills: list[int],
+        streams: list[int],
+        payload_nbytes: int,
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor | None:
+        """All-gather the spills (padded to the longest) if any rank has one; count the bytes."""
+        stats, world = self.stats, group.size()
+        sent = world * payload_nbytes
+        spill_out = None
+        if max(spills) > 0:
+            start = time.perf_counter()
+            longest = max(spills)
+            padded = torch.zeros(longest, dtype=torch.uint8, device=spill.device)
+            padded[: spill.numel()] = spill
+            spill_out = torch.empty(world * longest, dtype=torch.uint8, device=spill.device)
+            _all_gather(spill_out, padded, group=group)
+            spill_out = spill_out.view(world, longest)
+            stats.comm_time_s += time.perf_counter() - start
+            stats.spill_gathers += 1
+            sent += world * longest
+        stats.compressed_gathers += 1
+        stats.exception_bytes += sum(streams)
+        stats.bytes_sent += sent
+        stats.compressed_bytes_sent += sent
+        return spill_out
+
+    def _compressed_value_gather(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        world, rank = group.size(), group.rank()
+        numel, dtype, device = input_tensor.numel(), input_tensor.dtype, input_tensor.device
+        cache = self._cache.view(world, numel)
+        capacity = self._capacity(numel, dtype)
+        stats = self.stats
+
+        start = time.perf_counter()
+        buffer, spill = delta_codec.encode_into(
+            input_tensor, cache[rank], capacity, chunk_size=self.chunk_size, impl=self.impl
+        )
+        stats.codec_time_s += time.perf_counter() - start
+
+        start = time.perf_counter()
+        gathered = torch.empty(world * buffer.numel(), dtype=torch.uint8, device=device)
+        _all_gather(gathered, buffer, group=group)
+        gathered = gathered.view(world, -1)
+        stats.comm_time_s += time.perf_counter() - start
+
+        start = time.perf_counter()
+        prefix = gathered[:, : delta_codec.HEADER_NBYTES].cpu()  # one device-to-host copy
+        headers = [delta_codec.read_header(prefix[r]) for r in range(world)]
+        streams = [h.stream_nbytes for h in headers]
+        spills = [max(s - capacity, 0) for s in streams]
+        stats.codec_time_s += time.perf_counter() - start
+
+        spill_out = self._gather_spills(spill, spills, streams, buffer.numel(), group)
+        stats.compressed_raw_bytes += world * codec.raw_nbytes(numel, dtype)
+
+        start = time.perf_counter()
+        out = output_tensor.view(world, numel)
+        exponents_before = codec.extract_exponents(self._cache)
+        for r in range(world):
+            delta_codec.decode_from(
+                gathered[r],
+                cache[r],
+                numel,
+                dtype,
+                spill=spill_out[r, : spills[r]] if spills[r] else None,
+                out=cache[r],
+                header=headers[r],
+                impl=self.impl,
+            )
+        out.copy_(cache)
+        changed = int((codec.extract_exponents(self._cache) != exponents_before).sum())
+        self._record(streams, changed, numel)
+        stats.codec_time_s += time.perf_counter() - start
+
     # Cache checks -------------------------------------------------------------------------------
 
     def cache_checksum(self) -> int:
@@ -502,7 +642,7 @@ class AdERAAllGather(_AllGatherBase):
         """
         if self._cache is None:
             return 0
-        values = self._cache.to(torch.int64)
+        values = _int_bits(self._cache).to(torch.int64)
         weights = torch.arange(values.numel(), device=values.device) % 65521 + 1
         return int(((values * weights).sum() * 257 + values.sum()) % (1 << 61)) + 1
 
@@ -513,16 +653,25 @@ class AdERAAllGather(_AllGatherBase):
         self._history.clear()
 
 
+def _changed_exponents(new: torch.Tensor, old: torch.Tensor) -> int:
+    return int((codec.extract_exponents(new) != codec.extract_exponents(old)).sum())
+
+
 def _int_bits(t: torch.Tensor) -> torch.Tensor:
     size = t.element_size()
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
 
 
-def install_adera_all_gather(module: nn.Module, **kwargs: object) -> dict[str, AdERAAllGather]:
+def install_adera_all_gather(
+    module: nn.Module, value_cache_bytes: int | None = None, **kwargs: object
+) -> dict[str, AdERAAllGather]:
     """Give every FSDP module under ``module`` (itself included) its own :class:`AdERAAllGather`.
 
     Args:
         module: A model already sharded with ``fully_shard``.
+        value_cache_bytes: With ``reuse="auto"``: the bytes of value caches all groups together
+            may hold on each rank (one :class:`~ada_modules.strategies.adera_budget.ValueCacheBudget`
+            shared by the instances; groups claim it in gather order).
         **kwargs: Arguments of :class:`AdERAAllGather` (``name`` is set to the module's name).
 
     Returns:
@@ -535,6 +684,13 @@ def install_adera_all_gather(module: nn.Module, **kwargs: object) -> dict[str, A
     require_custom_all_gather()
     from torch.distributed.fsdp import FSDPModule
 
+    if (kwargs.get("reuse") == "auto") != (value_cache_bytes is not None):
+        raise InputError(
+            "reuse='auto' needs value_cache_bytes, and only reuse='auto' takes it; got "
+            f"reuse={kwargs.get('reuse', 'exponent')!r} with value_cache_bytes={value_cache_bytes!r}"
+        )
+    if value_cache_bytes is not None:
+        kwargs["value_cache_budget"] = ValueCacheBudget(value_cache_bytes)
     comms: dict[str, AdERAAllGather] = {}
     for name, sub in module.named_modules():
         if isinstance(sub, FSDPModule):

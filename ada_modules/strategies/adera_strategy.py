@@ -24,10 +24,12 @@ from ada_modules.kernels._dispatch import Impl
 from ada_modules.strategies.adera import (
     AdERAAllGather,
     Mode,
+    Reuse,
     install_adera_all_gather,
     require_custom_all_gather,
     verify_exponent_caches,
 )
+from ada_modules.strategies.adera_budget import ValueCacheBudget
 from ada_modules.strategies.adera_cost_model import CostModel
 from ada_modules.strategies.adera_stats import GatherStats
 from ada_modules.strategies.adera_trace import GatherRecord, trace_from_records
@@ -72,6 +74,11 @@ class AdERAStrategy(ModelParallelStrategy):
         timeout: As for ``ModelParallelStrategy``.
         mode: ``"auto"`` (compress a group when the cost model predicts a saving), ``"always"`` or
             ``"never"``.
+        reuse: What every rank caches per group: ``"exponent"`` (one byte per element),
+            ``"value"`` (the previous value: far fewer bytes sent for 2× (bf16) or 4× (fp32) the
+            cache memory) or ``"auto"`` (value caches while ``value_cache_bytes`` lasts); see
+            :class:`~ada_modules.strategies.AdERAAllGather`.
+        value_cache_bytes: With ``reuse="auto"``, the bytes of value caches per rank.
         min_numel: Groups with fewer elements are never compressed.
         margin: Relative saving the cost model must predict in ``"auto"`` mode.
         calibrate: In ``"auto"`` mode, measure latency, bandwidth and codec speed at setup (a few
@@ -116,6 +123,8 @@ class AdERAStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         *,
         mode: Mode = "auto",
+        reuse: Reuse = "exponent",
+        value_cache_bytes: int | None = None,
         min_numel: int = 1 << 16,
         margin: float = 0.05,
         calibrate: bool = True,
@@ -141,8 +150,19 @@ class AdERAStrategy(ModelParallelStrategy):
         )
         CostModel(margin=margin)  # validates margin
         # Validate the all-gather arguments now rather than at setup.
-        AdERAAllGather(mode=mode, min_numel=min_numel, chunk_size=chunk_size, impl=impl)
+        AdERAAllGather(
+            mode=mode,
+            reuse=reuse,
+            value_cache_budget=None
+            if value_cache_bytes is None
+            else ValueCacheBudget(value_cache_bytes),
+            min_numel=min_numel,
+            chunk_size=chunk_size,
+            impl=impl,
+        )
         self.mode: Mode = mode
+        self.reuse: Reuse = reuse
+        self.value_cache_bytes = value_cache_bytes
         self.min_numel = min_numel
         self.margin = margin
         self.calibrate = calibrate
@@ -210,6 +230,8 @@ class AdERAStrategy(ModelParallelStrategy):
         self.comms = install_adera_all_gather(
             self.model,
             mode=self.mode,
+            reuse=self.reuse,
+            value_cache_bytes=self.value_cache_bytes,
             cost_model=self.cost_model,
             min_numel=self.min_numel,
             chunk_size=self.chunk_size,
@@ -244,6 +266,7 @@ class AdERAStrategy(ModelParallelStrategy):
                 "train/adera_compressed_bytes_ratio": stats.compressed_bytes_ratio,
                 "train/adera_compressed_gathers": float(stats.compressed_gathers),
                 "train/adera_codec_time_s": stats.codec_time_s,
+                "train/adera_cache_bytes": float(sum(c.cache_nbytes for c in self.comms.values())),
                 "train/adera_comm_time_s": stats.comm_time_s,
             }
             values = {k: v for k, v in values.items() if not math.isnan(v)}
@@ -287,6 +310,7 @@ class AdERAStrategy(ModelParallelStrategy):
             method=self._step_methods,
             meta={
                 "mode": self.mode,
+                "reuse": self.reuse,
                 "alternate_steps": self.alternate_steps,
                 "min_numel": self.min_numel,
                 "chunk_size": self.chunk_size,

@@ -18,6 +18,7 @@ from ada_modules.strategies import (
     AdERAAllGather,
     CostModel,
     GatherStats,
+    ValueCacheBudget,
     install_adera_all_gather,
     verify_exponent_caches,
 )
@@ -104,6 +105,12 @@ def _direct_calls(rank: int) -> dict:
     _gather(comm, shard)  # raw: builds the cache
     _gather(comm, shard * 3)  # compressed, capacity 0: every exception byte spills
     spilled = comm.stats.spill_gathers == 1 and comm.stats.compressed_gathers == 1
+    value = AdERAAllGather(
+        mode="always", reuse="value", min_numel=0, chunk_size=64, initial_capacity=0.0, shadow=True
+    )
+    for scale in (1, 3):  # raw, then compressed with every stream byte spilled
+        _gather(value, shard * scale)
+    spilled &= value.stats.spill_gathers == 1 and value.stats.compressed_gathers == 1
     if rank == 1:
         comm._cache[5] ^= 1  # rank 1's copy of rank 0's exponents is now wrong
     try:
@@ -124,7 +131,19 @@ def _direct_calls(rank: int) -> dict:
         for scale in (1, 3, 5):
             _gather(comm, shard * scale)
         autos[name] = (comm._cache is not None, comm.stats.compressed_gathers)
+    # reuse="auto": the budget holds one group's value cache (2 ranks x 1000 bf16), not two.
+    budget = ValueCacheBudget(4000)
+    auto_reuse = [
+        AdERAAllGather(
+            mode="always", reuse="auto", value_cache_budget=budget, min_numel=0, shadow=True
+        )
+        for _ in range(2)
+    ]
+    for scale in (1, 3):
+        for comm in auto_reuse:
+            _gather(comm, shard * scale)
     return {
+        "auto_reuse": [(c.reuse, c.cache_nbytes, c.stats.compressed_gathers) for c in auto_reuse],
         "spilled": spilled,
         "shadow_caught": caught,
         "small_raw": exact and small._cache is None and small.stats.compressed_gathers == 0,
@@ -142,20 +161,26 @@ def _worker(rank: int, port: int, results: "mp.Queue") -> None:
     try:
         for params in ("fp32", "mixed-bf16", "bf16"):
             base = _train(params, None)
-            shadow = params == "mixed-bf16"  # the shadow check itself is exercised once
-            kwargs = {"mode": "always", "min_numel": 1024, "chunk_size": 256, "shadow": shadow}
-            adera = _train(params, kwargs)
-            comms = adera[3]
-            verify_exponent_caches(comms.values())
-            stats = _summed(comms)
-            out[params] = {
-                "losses_equal": base[0] == adera[0],
-                "params_equal": _same(base[1], adera[1]),
-                "state_equal": _same(base[2], adera[2]),
-                "final_loss": adera[0][-1],
-                "first_loss": adera[0][0],
-                **stats.as_dict(),
-            }
+            # Value reuse on fp32 and on the bf16 cast (its codec on CPU is the slow reference).
+            for reuse in ("exponent", "value") if params != "bf16" else ("exponent",):
+                shadow = params == "mixed-bf16"  # the shadow check itself is exercised
+                kwargs = {"mode": "always", "min_numel": 1024, "chunk_size": 256}
+                adera = _train(params, kwargs | {"shadow": shadow, "reuse": reuse})
+                comms = adera[3]
+                verify_exponent_caches(comms.values())
+                stats = _summed(comms)
+                out[f"{params}-{reuse}"] = {
+                    "losses_equal": base[0] == adera[0],
+                    "params_equal": _same(base[1], adera[1]),
+                    "state_equal": _same(base[2], adera[2]),
+                    "final_loss": adera[0][-1],
+                    "first_loss": adera[0][0],
+                    "cache_nbytes": sum(c.cache_nbytes for c in comms.values()),
+                    "tracked_numel": sum(
+                        c._cache.numel() for c in comms.values() if c._cache is not None
+                    ),
+                    **stats.as_dict(),
+                }
 
         # auto mode with a model calibrated here: exact whatever it decides.
         cost = CostModel.calibrate(numel=1 << 16, repeats=2)
@@ -171,7 +196,7 @@ def _worker(rank: int, port: int, results: "mp.Queue") -> None:
         # A rank whose cache diverged is detected on every rank.
         comm = next(c for c in comms.values() if c._cache is not None)  # the last always run
         if rank == 1:
-            comm._cache[0] ^= 1
+            comm._cache.view(torch.uint8)[0] ^= 1
         try:
             verify_exponent_caches(comms.values())
             out["divergence_detected"] = False
@@ -213,18 +238,35 @@ def results() -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("params", ["fp32", "mixed-bf16", "bf16"])
-def test_training_is_bitwise_identical_to_plain_fsdp2(results, params):
+@pytest.mark.parametrize(
+    "run_name",
+    ["fp32-exponent", "mixed-bf16-exponent", "bf16-exponent", "fp32-value"] + ["mixed-bf16-value"],
+)
+def test_training_is_bitwise_identical_to_plain_fsdp2(results, run_name):
     for rank in range(WORLD_SIZE):
-        run = results[rank][params]
+        run = results[rank][run_name]
         assert run["losses_equal"] and run["params_equal"] and run["state_equal"], run
         assert run["final_loss"] < run["first_loss"]  # it did train
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("params", ["fp32", "mixed-bf16"])
+def test_value_reuse_sends_fewer_bytes_for_a_bigger_cache(results, params):
+    exponent, value = results[0][f"{params}-exponent"], results[0][f"{params}-value"]
+    assert value["gathers"] == exponent["gathers"]
+    assert value["compressed_gathers"] == exponent["compressed_gathers"]
+    assert value["compressed_bytes_ratio"] < exponent["compressed_bytes_ratio"]
+    assert value["tracked_numel"] == exponent["tracked_numel"] == exponent["cache_nbytes"]
+    element = 4 if params == "fp32" else 2
+    assert value["cache_nbytes"] == element * exponent["cache_nbytes"]
+    shared = ("compressed_gathers", "spill_gathers", "bytes_sent", "changed_exponents")
+    assert {k: value[k] for k in shared} == {k: results[1][f"{params}-value"][k] for k in shared}
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("params", ["fp32", "mixed-bf16", "bf16"])
 def test_gathers_were_compressed_and_smaller(results, params):
-    run = results[0][params]
+    run = results[0][f"{params}-exponent"]
     # forward + backward gather of 3 groups per step; the first gather of each group is raw
     assert run["gathers"] == 2 * 3 * STEPS
     assert run["compressed_gathers"] == run["gathers"] - 3
@@ -232,7 +274,7 @@ def test_gathers_were_compressed_and_smaller(results, params):
     assert run["compressed_bytes_ratio"] <= (0.83 if params == "fp32" else 0.65)
     assert run["reuse_rate"] > 0.9
     shared = ("gathers", "compressed_gathers", "spill_gathers", "bytes_sent", "changed_exponents")
-    assert {k: run[k] for k in shared} == {k: results[1][params][k] for k in shared}
+    assert {k: run[k] for k in shared} == {k: results[1][f"{params}-exponent"][k] for k in shared}
 
 
 @pytest.mark.distributed
@@ -258,6 +300,12 @@ def test_spills_shadow_check_and_small_groups(results):
     assert results[0]["spilled"] and results[1]["spilled"]
     assert results[1]["shadow_caught"] and not results[0]["shadow_caught"]
     assert results[0]["small_raw"] and results[1]["small_raw"]
+
+
+@pytest.mark.distributed
+def test_auto_reuse_gives_value_caches_while_the_budget_lasts(results):
+    for rank in range(WORLD_SIZE):
+        assert results[rank]["auto_reuse"] == [("value", 4000, 1), ("exponent", 2000, 1)]
 
 
 @pytest.mark.distributed
@@ -320,6 +368,9 @@ def test_cost_model_rejects_bad_constants(kwargs, match):
         ({"headroom": 0.5}, "headroom must be >= 1"),
         ({"window": 0}, "window must be a positive int"),
         ({"period": 5}, r"period must be an int in \[1, window=4\]"),
+        ({"reuse": "mantissa"}, "reuse must be one of"),
+        ({"reuse": "auto"}, "reuse='auto' needs a value_cache_budget"),
+        ({"value_cache_budget": ValueCacheBudget(10)}, "only reuse='auto' takes one"),
     ],
 )
 def test_all_gather_rejects_bad_arguments(kwargs, match):
@@ -351,6 +402,10 @@ def test_old_torch_is_refused_clearly(monkeypatch):
 def test_install_needs_a_sharded_module():
     with pytest.raises(ValueError, match="apply fully_shard before installing AdERA"):
         install_adera_all_gather(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="reuse='auto' needs value_cache_bytes"):
+        install_adera_all_gather(nn.Linear(2, 2), reuse="auto")
+    with pytest.raises(ValueError, match="value cache budget must be a non-negative int"):
+        install_adera_all_gather(nn.Linear(2, 2), reuse="auto", value_cache_bytes=-1)
 
 
 @pytest.mark.parametrize("impl", ["cuda", "Triton", "", None, 3])
