@@ -1,4 +1,4 @@
-"""GPU benchmark of AdERA's exponent codec and compressed all-gather on one device.
+"""GPU benchmark of AdERA's exponent and delta codecs and compressed all-gather on one device.
 
 What it measures (issue 4, part 7), all in one run:
 
@@ -6,7 +6,18 @@ What it measures (issue 4, part 7), all in one run:
    plus a shard full of edge values (±0, subnormals, ±Inf, NaN payloads, exponents 0x00/0xFF) and
    a capacity too small (a spill): the Triton ``encode_into`` buffer and spill equal the torch
    reference's byte for byte, and the Triton ``decode_from`` rebuilds the shard and its exponents
-   bit for bit.
+   bit for bit. Then the same for the **delta codec** (:mod:`ada_modules.kernels.delta_codec`,
+   never run on a GPU before this script), bf16 and fp32, with a cache that is (a) identical (SAME
+   chunks), (b) the shard with each element's bits moved by a random integer in [-3, 3] (an
+   optimizer step; EG chunks), (c) unrelated random values (RAW chunks), (d) edge values (±0,
+   subnormals, ±Inf, NaN payloads) mixed in, against a moved cache and against a zero cache, and
+   (e) case (b) with a capacity of a third of the stream (a spill): at ``N`` = 1M + 300 elements
+   (a partial last chunk) the Triton buffer's chunk words and stream size equal the torch
+   ``chunk_forms``, the spill has the right size and ``decode_from`` rebuilds the shard bit for
+   bit, into a new tensor and in place into the cache (as a receiver does); on the first 256K + 77
+   elements the Triton ``encode_into`` buffer and spill equal the torch reference's byte for byte
+   (the reference loops over up to ~50 bit planes; on a 2-core CPU it takes 0.5–4 s per
+   256K-element encode, so the byte comparison is kept at that size).
 1. **Codec throughput** (Triton) at ``N`` in {64K, 1M, 16M, 256M} elements, bf16 and fp32,
    ``p`` in {0, 1%, 10%, 50%} (changed positions uniform; capacity = the exact stream, so no
    spill): ``encode_into`` and ``decode_from`` median ms (``triton.testing.do_bench``: CUDA events,
@@ -14,12 +25,19 @@ What it measures (issue 4, part 7), all in one run:
    ratio columns: codec time ÷ copy time). ``encode_into`` includes its one host read (the stream
    size, which sizes the spill) and ``decode_from`` its header read, as in the all-gather. A
    torch-reference row (p = 1%, 1M and 16M) shows what the Triton kernels buy.
-2. **Interference.** bf16 GEMMs on the default stream (8192×8192×8192, and 8192 tokens ×
+2. **Delta codec throughput** (Triton) at ``N`` in {1M, 16M, 64M} elements, bf16 and fp32, cache
+   (b) (bits moved by [-3, 3]) and (a) (identical), capacity = the exact stream: ``encode_into``
+   (with its one host read, the stream size) and ``decode_from`` (with its header read) median ms
+   (``do_bench``, 30 ms of repeats; a call over 250 ms is timed once instead), GB/s of raw shard
+   bytes, the payload ÷ raw bytes ratio, the ratio to a plain ``copy_`` (codec time ÷ copy time),
+   whether the decode was exact, and whether the issue's target (>= 100 GB/s encode and decode on
+   one H200) is met: reported, not asserted. The section stops starting rows after 120 s.
+3. **Interference.** bf16 GEMMs on the default stream (8192×8192×8192, and 8192 tokens ×
    4096 → 14336 like one Mixtral expert) for about half a second, alone and while the codec work of one
    P=8 all-gather of a 64M-element bf16 group (encode one 8M shard, decode 8 shards, p = 1%) runs
    in a loop on a side stream: GEMM time with and without the codec (slowdown %), and the codec's
    time per all-gather alone and under contention.
-3. **One-rank all-gather.** FSDP2 skips the all-gather at world size 1, so
+4. **One-rank all-gather.** FSDP2 skips the all-gather at world size 1, so
    :class:`~ada_modules.strategies.AdERAAllGather` (``mode="always"``, ``min_numel=0``) is called
    directly on a 1-rank NCCL group (gloo on CPU), alternating two versions of a shard (a
    multiplicative update ``x·(1 + 0.01·ε)``, so every gather sees the same change rate): output
@@ -30,12 +48,16 @@ What it measures (issue 4, part 7), all in one run:
    (``install_adera_all_gather``) and it trains 3 AdamW steps: it runs, and the table shows the
    number of gathers FSDP2 routed to AdERA (0 at world size 1).
 
-Run it (one H200, expected ≈2–4 minutes, guarded to ``--budget-s`` = 420 s; sections that would not
-fit are skipped and what was measured is still printed)::
+Run it (one H200, expected ≈2–5 minutes with compilation: the last run of sections 0, 1, 3 and 4
+took 17 s; the delta codec adds 12 checks of about 1M elements and a throughput section that
+starts no row after 120 s. Guarded to ``--budget-s`` = 420 s, checked before every section, check
+and row, so it ends well within 8 minutes; what would not fit is skipped and what was measured is
+still printed. ``--only`` takes ``checks``, ``throughput``, ``delta-throughput``,
+``interference``, ``one-rank``)::
 
     OUT=/tmp/bench .venv/bin/python bench/gpu/adera.py
 
-Smoke test without a GPU (tiny shapes, torch reference codec, gloo, a few seconds)::
+Smoke test without a GPU (tiny shapes, torch reference codecs, gloo, a few seconds)::
 
     .venv/bin/python bench/gpu/adera.py --device cpu --quick
 
@@ -66,6 +88,7 @@ from _common import (
 )
 from torch import nn
 
+from ada_modules.kernels import delta_codec
 from ada_modules.kernels.exponent_codec import (
     chunk_counts,
     decode_from,
@@ -85,6 +108,12 @@ except ImportError:  # pragma: no cover - depends on the environment
 SLUG = "adera"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+DELTA_TARGET_GB_PER_S = 100.0
+"""The issue's target for the delta codec: encode and decode at >= 100 GB/s on one H200."""
+SLOW_CALL_MS = 250.0
+"""A delta-codec call slower than this is timed once, not repeated by ``do_bench``."""
+STEP_LABEL = "bits + [-3, 3] (step)"
+"""The realistic delta case: the cache is the shard with its bits moved by [-3, 3] units."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +131,11 @@ class Sizes:
     side_world: int
     gather_numels: tuple[int, ...]
     mlp_width: int
+    delta_check_numel: int  # Triton round trip and chunk forms (a partial last chunk)
+    delta_ref_numel: int  # prefix compared byte for byte with the (slow) torch reference
+    delta_numels: tuple[int, ...]
+    delta_rep_ms: int  # do_bench repetition time per timing
+    delta_seconds: float  # cap on the delta throughput section (time guard)
 
 
 FULL = Sizes(
@@ -116,6 +150,11 @@ FULL = Sizes(
     side_world=8,
     gather_numels=(1 << 20, 1 << 24, 1 << 26),
     mlp_width=2048,
+    delta_check_numel=(1 << 20) + 300,
+    delta_ref_numel=(1 << 18) + 77,
+    delta_numels=(1 << 20, 1 << 24, 1 << 26),
+    delta_rep_ms=30,
+    delta_seconds=120.0,
 )
 QUICK = Sizes(
     check_numel=4096,
@@ -129,6 +168,11 @@ QUICK = Sizes(
     side_world=2,
     gather_numels=(1 << 14,),
     mlp_width=64,
+    delta_check_numel=5000,
+    delta_ref_numel=3000,
+    delta_numels=(4096,),
+    delta_rep_ms=5,
+    delta_seconds=30.0,
 )
 
 
@@ -168,6 +212,18 @@ def edge_shard(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     idx = torch.arange(0, numel // 2, 3, device=device)
     bits[idx] = values.repeat(idx.numel() // len(values) + 1)[: idx.numel()]
     return x
+
+
+def bits_moved(x: torch.Tensor, gen: torch.Generator, reach: int = 3) -> torch.Tensor:
+    """``x`` with each element's bits, read as a ``B``-bit unsigned integer, moved by a random
+    integer in ``[-reach, reach]`` (mod ``2**B``): the small moves of one optimizer step."""
+    width = 16 if x.dtype == torch.bfloat16 else 32
+    bits = int_view(x)
+    u = bits.to(torch.int64) & ((1 << width) - 1)
+    step = torch.randint(-reach, reach + 1, (x.numel(),), generator=gen, device=x.device)
+    v = (u + step) & ((1 << width) - 1)
+    v = torch.where(v >= 1 << (width - 1), v - (1 << width), v)
+    return v.to(bits.dtype).view(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,6 +280,142 @@ def run_checks(
                     "ok": bool(ok),
                 }
             )
+
+
+def error_line(err: Exception) -> str:
+    """An exception as one line that fits a markdown table cell (compiler errors span lines)."""
+    return " ".join(f"{type(err).__name__}: {err}".split()).replace("|", "/")
+
+
+def delta_cases(
+    numel: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[str, torch.Tensor, torch.Tensor, float | None]]:
+    """``(label, shard, cache, capacity as a fraction of the stream or None for all of it)``."""
+    gen = torch.Generator(device=device).manual_seed(30)
+    x = (0.02 * torch.randn(numel, device=device, generator=gen)).to(dtype)
+    unrelated = torch.randn(numel, device=device, generator=gen).to(dtype)
+    moved = bits_moved(x, gen)
+    edges = edge_shard(numel, dtype, device)
+    return [
+        ("identical cache (SAME)", x, x.clone(), None),
+        ("cache = bits + [-3, 3] (step)", x, moved, None),
+        ("unrelated cache (RAW)", x, unrelated, None),
+        ("edge values, cache = bits + [-3, 3]", edges, bits_moved(edges, gen), None),
+        ("edge values vs zero cache", edges, torch.zeros_like(edges), None),
+        ("step, capacity E/3 (spill)", x, moved, 1 / 3),
+    ]
+
+
+def chunk_word_bytes(forms: delta_codec.ChunkForms) -> torch.Tensor:
+    """The little-endian ``form << 24 | size`` chunk words of a payload, as bytes."""
+    word = forms.form << 24 | forms.size
+    return torch.stack([(word >> s) & 0xFF for s in (0, 8, 16, 24)], dim=-1).reshape(-1)
+
+
+def delta_check_case(
+    x: torch.Tensor, cache: torch.Tensor, fraction: float | None, ref_numel: int, impl: str
+) -> dict[str, Any]:
+    """Check the delta codec's ``impl`` on one case.
+
+    On the whole shard: the chunk words and stream size of the ``impl`` buffer equal the torch
+    ``chunk_forms``, the spill has the right size, and ``decode_from`` rebuilds the shard bit for
+    bit (into a new tensor, and in place into a copy of the cache, as a receiver does). On the
+    first ``ref_numel`` elements: the ``impl`` buffer and spill equal the torch reference's byte
+    for byte.
+    """
+    numel, dtype = x.numel(), x.dtype
+    forms = delta_codec.chunk_forms(x, cache)
+    stream = int(forms.size.sum())
+    capacity = stream if fraction is None else int(stream * fraction)
+    buffer, spill = delta_codec.encode_into(x, cache, capacity, impl=impl)
+    words = delta_codec.HEADER_NBYTES + 4 * forms.form.numel()
+    forms_ok = (
+        buffer.numel() == delta_codec.payload_nbytes(numel, dtype, capacity)
+        and delta_codec.read_header(buffer).stream_nbytes == stream
+        and spill.numel() == max(stream - capacity, 0)
+        and torch.equal(
+            buffer[delta_codec.HEADER_NBYTES : words], chunk_word_bytes(forms).to(torch.uint8)
+        )
+    )
+    y = delta_codec.decode_from(buffer, cache, numel, dtype, spill=spill, impl=impl)
+    decode_ok = torch.equal(int_view(y), int_view(x))
+    in_place = cache.clone()
+    delta_codec.decode_from(buffer, in_place, numel, dtype, spill=spill, out=in_place, impl=impl)
+    in_place_ok = torch.equal(int_view(in_place), int_view(x))
+    xr, cr = x[:ref_numel], cache[:ref_numel]
+    ref_stream = int(delta_codec.chunk_forms(xr, cr).size.sum())
+    ref_capacity = ref_stream if fraction is None else int(ref_stream * fraction)
+    b_impl, s_impl = delta_codec.encode_into(xr, cr, ref_capacity, impl=impl)
+    b_ref, s_ref = delta_codec.encode_into_reference(xr, cr, ref_capacity)
+    bytes_ok = torch.equal(b_impl, b_ref) and torch.equal(s_impl, s_ref)
+    return {
+        "chunks_same": int((forms.form == 0).sum()),
+        "chunks_raw": int((forms.form == 1).sum()),
+        "chunks_eg": int((forms.form >= 2).sum()),
+        "stream_bytes": stream,
+        "capacity_bytes": capacity,
+        "spill_bytes": spill.numel(),
+        "bytes_ratio": delta_codec.encoded_nbytes(numel, dtype, stream) / raw_nbytes(numel, dtype),
+        "forms_ok": bool(forms_ok),
+        "bytes_equal_reference": bool(bytes_ok),
+        "reference_spill_bytes": s_ref.numel(),
+        "decode_ok": bool(decode_ok),
+        "in_place_decode_ok": bool(in_place_ok),
+        "ok": bool(forms_ok and bytes_ok and decode_ok and in_place_ok),
+    }
+
+
+def run_delta_checks(
+    sizes: Sizes, device: torch.device, impl: str, guard: Guard, results: list[dict[str, Any]]
+) -> None:
+    n, n_ref = sizes.delta_check_numel, sizes.delta_ref_numel
+    print(
+        f"\n## Checks: delta codec, {impl} == torch (chunk forms and decode at N = {n:,}; "
+        f"bytes == torch reference on the first {n_ref:,} elements)\n"
+    )
+    print(
+        "| dtype | case | chunks SAME/RAW/EG | payload ÷ raw | spill bytes | forms | "
+        "bytes == ref | decode | in-place decode | exact |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | :---: | :---: | :---: | :---: | :---: |")
+    yes = {True: "yes", False: "NO"}
+    for name, dtype in DTYPES.items():
+        for label, x, cache, fraction in delta_cases(n, dtype, device):
+            if not guard.ok(f"delta check {name} {label}", 5):
+                continue
+            row: dict[str, Any] = {
+                "section": "delta_check",
+                "check": f"delta {name} {label}",
+                "impl": impl,
+                "numel": n,
+                "reference_numel": n_ref,
+            }
+            try:
+                row.update(delta_check_case(x, cache, fraction, n_ref, impl))
+            except Exception as err:  # a kernel never run on this GPU: report, go on
+                row.update(ok=False, error=error_line(err))
+                print(f"| {name} | {label} | error: {row['error'][:200]} | | | | | | | NO |")
+                results.append(row)
+                continue
+            print(
+                f"| {name} | {label} | {row['chunks_same']}/{row['chunks_raw']}/"
+                f"{row['chunks_eg']} | {row['bytes_ratio']:.4f} | {row['spill_bytes']:,} | "
+                f"{yes[row['forms_ok']]} | {yes[row['bytes_equal_reference']]} | "
+                f"{yes[row['decode_ok']]} | {yes[row['in_place_decode_ok']]} | {yes[row['ok']]} |"
+            )
+            results.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_all_checks(
+    sizes: Sizes, device: torch.device, impl: str, guard: Guard, results: list[dict[str, Any]]
+) -> None:
+    """Section 0: the exponent codec's checks, then the delta codec's (each exact or reported)."""
+    try:
+        run_checks(sizes, device, impl, results)
+    finally:  # the delta codec is checked even when the exponent codec's checks raise
+        run_delta_checks(sizes, device, impl, guard, results)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,7 +495,150 @@ def run_throughput(
 
 
 # ----------------------------------------------------------------------------------------------
-# Section 2: GEMM interference
+# Section 2: delta codec throughput
+# ----------------------------------------------------------------------------------------------
+
+
+def once_or_median_ms(fn: Callable[[], Any], device: torch.device, rep_ms: int) -> float:
+    """``median_ms(fn)``, unless one call already takes over ``SLOW_CALL_MS``: then that one
+    call's milliseconds (a slow kernel must not eat the run's time budget in repeats)."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    once = (time.perf_counter() - t0) * 1e3
+    if once > SLOW_CALL_MS:
+        return once
+    return median_ms(fn, device, rep_ms=rep_ms)
+
+
+def time_delta(
+    x: torch.Tensor, cache: torch.Tensor, impl: str, device: torch.device, rep_ms: int
+) -> tuple[float, float, float, bool]:
+    """``(encode ms, decode ms, payload ÷ raw, decode exact)`` of the delta codec, capacity = the
+    exact stream (no spill). ``encode_into`` includes its host read of the stream size and
+    ``decode_from`` its header read, as in the all-gather."""
+    numel, dtype = x.numel(), x.dtype
+    stream = delta_codec.read_header(delta_codec.encode(x, cache, impl=impl)).stream_nbytes
+    buffer, spill = delta_codec.encode_into(x, cache, stream, impl=impl)
+    out = torch.empty_like(x)
+    enc = once_or_median_ms(
+        lambda: delta_codec.encode_into(x, cache, stream, impl=impl), device, rep_ms
+    )
+    dec = once_or_median_ms(
+        lambda: delta_codec.decode_from(
+            buffer, cache, numel, dtype, spill=spill, out=out, impl=impl
+        ),
+        device,
+        rep_ms,
+    )
+    exact = torch.equal(int_view(out), int_view(x))
+    return enc, dec, (buffer.numel() + spill.numel()) / raw_nbytes(numel, dtype), exact
+
+
+def target_met(encode_gbps: float, decode_gbps: float) -> str:
+    """The target column: whether encode and decode reach ``DELTA_TARGET_GB_PER_S``."""
+    met = (encode_gbps >= DELTA_TARGET_GB_PER_S, decode_gbps >= DELTA_TARGET_GB_PER_S)
+    return {(True, True): "yes", (True, False): "encode only", (False, True): "decode only"}.get(
+        met, "no"
+    )
+
+
+def delta_throughput_row(
+    name: str,
+    x: torch.Tensor,
+    label: str,
+    cache: torch.Tensor,
+    copy: float,
+    impl: str,
+    device: torch.device,
+    rep_ms: int,
+) -> dict[str, Any]:
+    """Time one shard against one cache; print its table row and return its result."""
+    numel, dtype = x.numel(), x.dtype
+    enc, dec, ratio, exact = time_delta(x, cache, impl, device, rep_ms)
+    raw = raw_nbytes(numel, dtype)
+    gbps = {k: raw / ms / 1e6 for k, ms in (("enc", enc), ("dec", dec), ("copy", copy))}
+    met = target_met(gbps["enc"], gbps["dec"])
+    print(
+        f"| {name} | {numel:,} | {label} | {enc:.4f} | {dec:.4f} | {copy:.4f} | "
+        f"{gbps['enc']:,.2f} | {gbps['dec']:,.2f} | {gbps['copy']:,.2f} | {enc / copy:.1f}× | "
+        f"{dec / copy:.1f}× | {ratio:.4f} | {'yes' if exact else 'NO'} | {met} |"
+    )
+    return {
+        "encode_ms": enc,
+        "decode_ms": dec,
+        "copy_ms": copy,
+        "encode_gb_per_s": gbps["enc"],
+        "decode_gb_per_s": gbps["dec"],
+        "copy_gb_per_s": gbps["copy"],
+        "ratio_encode_vs_copy": enc / copy,
+        "ratio_decode_vs_copy": dec / copy,
+        "bytes_ratio": ratio,
+        "target_gb_per_s": DELTA_TARGET_GB_PER_S,
+        "target_met_encode": gbps["enc"] >= DELTA_TARGET_GB_PER_S,
+        "target_met_decode": gbps["dec"] >= DELTA_TARGET_GB_PER_S,
+        "target_met": met == "yes",
+        "ok": bool(exact),
+    }
+
+
+def run_delta_throughput(
+    sizes: Sizes, device: torch.device, impl: str, guard: Guard, results: list[dict[str, Any]]
+) -> None:
+    target = DELTA_TARGET_GB_PER_S
+    print(
+        f"\n## Delta codec throughput ({impl}), GB/s of raw shard bytes (target: >= {target:.0f} "
+        "GB/s encode and decode on one H200)\n"
+    )
+    print(
+        "| dtype | N | cache | encode ms | decode ms | copy ms | encode GB/s | decode GB/s | "
+        f"copy GB/s | encode ÷ copy | decode ÷ copy | payload ÷ raw | exact | >= {target:.0f} GB/s |"
+    )
+    print(
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: "
+        "| :---: |"
+    )
+    local = Guard(budget_s=sizes.delta_seconds)  # leave time for the sections after this one
+    for name, dtype in DTYPES.items():
+        for numel in sizes.delta_numels:
+            what = f"delta throughput {name} N={numel}"
+            if not (guard.ok(what, 10) and local.ok(what, 10)):
+                continue
+            gen = torch.Generator(device=device).manual_seed(5)
+            x = (0.02 * torch.randn(numel, device=device, generator=gen)).to(dtype)
+            dst = torch.empty_like(x)
+            copy = median_ms(lambda x=x, dst=dst: dst.copy_(x), device, rep_ms=sizes.delta_rep_ms)
+            del dst
+            for label in (STEP_LABEL, "identical"):
+                row: dict[str, Any] = {
+                    "section": "delta_throughput",
+                    "check": f"delta throughput {name} N={numel} {label}",
+                    "dtype": name,
+                    "numel": numel,
+                    "cache": label,
+                    "impl": impl,
+                }
+                try:
+                    cache = bits_moved(x, gen) if label == STEP_LABEL else x.clone()
+                    row.update(
+                        delta_throughput_row(
+                            name, x, label, cache, copy, impl, device, sizes.delta_rep_ms
+                        )
+                    )
+                    del cache
+                except Exception as err:  # a kernel never run on this GPU: report, go on
+                    row.update(ok=False, error=error_line(err))
+                    print(f"| {name} | {numel:,} | {label} | error: {row['error'][:200]} |")
+                results.append(row)
+            del x
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    guard.skipped.extend(local.skipped)
+
+
+# ----------------------------------------------------------------------------------------------
+# Section 3: GEMM interference
 # ----------------------------------------------------------------------------------------------
 
 
@@ -440,7 +775,7 @@ def run_interference(
 
 
 # ----------------------------------------------------------------------------------------------
-# Section 3: one-rank all-gather and FSDP2 install
+# Section 4: one-rank all-gather and FSDP2 install
 # ----------------------------------------------------------------------------------------------
 
 
@@ -627,8 +962,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: list[dict[str, Any]] = []
     sections: list[tuple[str, Callable[[], None], float]] = [
-        ("checks", lambda: run_checks(sizes, device, impl, results), 30),
+        ("checks", lambda: run_all_checks(sizes, device, impl, guard, results), 30),
         ("throughput", lambda: run_throughput(sizes, device, impl, guard, results), 30),
+        (
+            "delta-throughput",
+            lambda: run_delta_throughput(sizes, device, impl, guard, results),
+            30,
+        ),
         ("interference", lambda: run_interference(sizes, device, impl, guard, results), 30),
         ("one-rank", lambda: run_distributed(sizes, device, impl, guard, results), 20),
     ]
