@@ -9,11 +9,13 @@ Examples:
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from ada_modules.errors import InputError
+from ada_modules.kernels import delta_codec
 from ada_modules.kernels import exponent_codec as codec
 from ada_modules.kernels._dispatch import Impl
 
@@ -97,6 +99,7 @@ class CostModel:
         numel: int = 1 << 20,
         repeats: int = 3,
         impl: Impl = "auto",
+        reuse: Literal["exponent", "value"] = "exponent",
     ) -> "CostModel":
         """Measure alpha, beta and the codec's speed here; every rank of ``group`` gets the same model.
 
@@ -111,7 +114,12 @@ class CostModel:
             numel: bf16 elements per shard for the bandwidth and codec timings.
             repeats: Timings per quantity.
             impl: Codec implementation to time.
+            reuse: Which codec to time: the exponent codec (a cache in which a few percent of
+                the exponents differ) or the value codec (:mod:`ada_modules.kernels.delta_codec`,
+                a cache in which every element sits a few units in the last place away).
         """
+        if reuse not in ("exponent", "value"):
+            raise InputError(f"reuse must be 'exponent' or 'value', got {reuse!r}")
         device = torch.device(device)
         world = dist.get_world_size(group)
 
@@ -130,15 +138,21 @@ class CostModel:
         big = torch.zeros(2 * numel, dtype=torch.uint8, device=device)
         big_out = torch.empty(2 * numel * world, dtype=torch.uint8, device=device)
         x = torch.randn(numel, device=device).bfloat16()
-        cache = codec.extract_exponents(x * 1.01)  # a few percent of exponents change
-        buffer, spill = codec.encode_into(x, cache, numel // 4, impl=impl)
+        if reuse == "value":
+            used, capacity = delta_codec, numel
+            moves = torch.randint(-3, 4, (numel,), device=device, dtype=torch.int16)
+            cache = (x.view(torch.int16) + moves).view(torch.bfloat16)
+        else:
+            used, capacity = codec, numel // 4
+            cache = codec.extract_exponents(x * 1.01)  # a few percent of exponents change
+        buffer, spill = used.encode_into(x, cache, capacity, impl=impl)
         t = torch.tensor(
             [
                 timed(lambda: _all_gather(small_out, small, group=group)),
                 timed(lambda: _all_gather(big_out, big, group=group)),
-                timed(lambda: codec.encode_into(x, cache, numel // 4, impl=impl)),
+                timed(lambda: used.encode_into(x, cache, capacity, impl=impl)),
                 timed(
-                    lambda: codec.decode_from(buffer, cache, numel, x.dtype, spill=spill, impl=impl)
+                    lambda: used.decode_from(buffer, cache, numel, x.dtype, spill=spill, impl=impl)
                 ),
             ],
             dtype=torch.float64,

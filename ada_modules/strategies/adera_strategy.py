@@ -222,8 +222,12 @@ class AdERAStrategy(ModelParallelStrategy):
             )
         super().setup(trainer)
         if self.mode == "auto" and self.calibrate:
+            # Value reuse (or "auto", which may pick it) is timed with the slower value codec.
             self.cost_model = CostModel.calibrate(
-                device=self.root_device, margin=self.margin, impl=self.impl
+                device=self.root_device,
+                margin=self.margin,
+                impl=self.impl,
+                reuse="exponent" if self.reuse == "exponent" else "value",
             )
         else:
             self.cost_model = CostModel(margin=self.margin)

@@ -182,6 +182,9 @@ def _worker(rank: int, port: int, results: "mp.Queue") -> None:
                     **stats.as_dict(),
                 }
 
+        # The value codec calibrates too (tiny here: its CPU reference is slow).
+        value_cost = CostModel.calibrate(numel=1 << 12, repeats=1, reuse="value")
+        out["value_cost"] = (value_cost.encode_Bps, value_cost.decode_Bps)
         # auto mode with a model calibrated here: exact whatever it decides.
         cost = CostModel.calibrate(numel=1 << 16, repeats=2)
         base = _train("mixed-bf16", None)
@@ -275,6 +278,13 @@ def test_gathers_were_compressed_and_smaller(results, params):
     assert run["reuse_rate"] > 0.9
     shared = ("gathers", "compressed_gathers", "spill_gathers", "bytes_sent", "changed_exponents")
     assert {k: run[k] for k in shared} == {k: results[1][f"{params}-exponent"][k] for k in shared}
+
+
+@pytest.mark.distributed
+def test_value_codec_calibration_agrees_across_ranks(results):
+    encode_bps, decode_bps = results[0]["value_cost"]
+    assert results[1]["value_cost"] == (encode_bps, decode_bps)
+    assert 0 < encode_bps < math.inf and 0 < decode_bps < math.inf
 
 
 @pytest.mark.distributed
