@@ -13,7 +13,9 @@ For each hardware profile (``--profiles``; public NVLink/InfiniBand/HBM figures,
 ``PROFILES``) it prints one markdown table per profile: ``P`` in {8, 16, 32, 64, 128}, flat ring
 and hierarchical (8 GPUs per node) all-gather, the raw all-gather time per step, AdERA's bytes
 ratio and its ceiling ``1/r``, and AdERA's all-gather and step speedups over the raw all-gather,
-an entropy-coded lossless compressor and a lossy int8 all-gather. Tables use the trace's last
+an entropy-coded lossless compressor and a lossy int8 all-gather; then AdERA with value reuse
+(``reuse="value"``) over raw and over a lossless XOR-delta compressor (ZipNN's delta mode), both
+with the bytes ratios measured by ``bench/adera_peers.py`` (``Baselines``). Tables use the trace's last
 step (steady state); a second table shows how the speedup over raw moves with the change rate
 over the trace's steps (hierarchical, P=64).
 

@@ -4,7 +4,7 @@ A :class:`Trace` records, per parameter all-gather of a training step, what the 
 the group's size and dtype, the measured fraction of exponents that changed since the previous
 gather, the order and phase (forward/backward) of the gather and the compute that follows it
 until the next gather. :func:`simulate_step` replays the trace for ``P`` ranks under a
-:class:`HardwareProfile` with one of four ways to send the parameters (:data:`METHODS`):
+:class:`HardwareProfile` with one of six ways to send the parameters (:data:`METHODS`):
 
 - ``"raw"``: the plain all-gather (what FSDP2 sends);
 - ``"adera"``: AdERA's lossless payload (sign+mantissa planes, plus the changed exponents), with
@@ -12,7 +12,13 @@ until the next gather. :func:`simulate_step` replays the trace for ``P`` ranks u
 - ``"entropy"``: a lossless entropy coder of the exponents (DietGPU / nvCOMP-ANS / ZipNN-style),
   ratio and throughput from public figures (see :class:`Baselines`); its sizes are data-dependent,
   so it also pays one latency-only all-gather of the sizes;
-- ``"int8"``: a lossy block-int8 weight all-gather (ZeRO++ qwZ-like).
+- ``"int8"``: a lossy block-int8 weight all-gather (ZeRO++ qwZ-like);
+- ``"adera_value"``: AdERA with ``reuse="value"`` (:mod:`ada_modules.kernels.delta_codec`), its
+  bytes ratio measured on real snapshots (:class:`Baselines`), its codec at the profile's
+  throughputs;
+- ``"xor_delta"``: a lossless compressor of the XOR with the previous copy (ZipNN's delta mode,
+  XOR + zstd), ratio measured on the same snapshots, throughput that of the entropy coder; like
+  it, one latency-only all-gather of the sizes.
 
 What is modelled, exactly:
 
@@ -50,7 +56,9 @@ What is modelled, exactly:
   ``mode="always"`` compresses every group (what the CPU calibration run measures).
 
 Not modelled: congestion between concurrent jobs, NCCL protocol switches (LL/LL128/Simple),
-the exception-overflow second all-gather (rare by design), and the memory of the exponent cache.
+the exception-overflow second all-gather (rare by design), the memory of the caches (the value
+cache holds the unsharded group on every rank), and how the two delta methods' ratios move with
+the step (fixed at their measured steady state).
 
 Calibration (:mod:`ada_modules.strategies.adera_calibration`): :meth:`HardwareProfile.fit_trace`
 fits a CPU/gloo profile to timed gathers (of a micro-benchmark, or of a recorded run), and
@@ -106,9 +114,9 @@ __all__ = [
     "synthetic_moe_trace",
 ]
 
-Method = Literal["raw", "adera", "entropy", "int8"]
+Method = Literal["raw", "adera", "entropy", "int8", "adera_value", "xor_delta"]
 Topology = Literal["ring", "hierarchical"]
-METHODS: tuple[str, ...] = ("raw", "adera", "entropy", "int8")
+METHODS: tuple[str, ...] = ("raw", "adera", "entropy", "int8", "adera_value", "xor_delta")
 TOPOLOGIES: tuple[str, ...] = ("ring", "hierarchical")
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 """Bytes per element of the parameter dtypes the trace may hold."""
@@ -601,6 +609,15 @@ class Baselines:
         int8_block: Elements per quantisation block of the int8 baseline (ZeRO++ qwZ quantises
             weights block-wise to int8; the block size here is an assumption).
         int8_scale_bytes: Bytes of the per-block scale (fp32).
+        value_ratio_bf16: AdERA's value-reuse payload over raw bytes for a forward gather after
+            an optimizer step, bf16. Default 0.224: ``bench/adera_peers.py`` on the library's
+            10.5M-parameter LM at step 200 (0.19-0.33 over steps 10-200).
+        value_ratio_fp32: The same for fp32: 0.607 (0.58-0.66).
+        xor_delta_ratio_bf16: The best lossless XOR-delta peer (ZipNN's delta mode) on the same
+            snapshots: 0.300 (0.26-0.41).
+        xor_delta_ratio_fp32: The same for fp32: 0.649 (0.63-0.70).
+        unchanged_ratio: Payload over raw bytes of both delta methods for a re-gather of unchanged
+            weights (FSDP2's backward re-gather): 0.002 (headers and chunk words only).
         capacity_slack: AdERA's fixed exception capacity, as a multiple of the expected
             exception bytes (the payload size is agreed in advance, so it is padded).
         margin: ``mode="auto"`` compresses a group only if it saves at least this fraction.
@@ -617,12 +634,24 @@ class Baselines:
     entropy_cpu_throughput: float = 0.5e9
     int8_block: int = 256
     int8_scale_bytes: int = 4
+    value_ratio_bf16: float = 0.224
+    value_ratio_fp32: float = 0.607
+    xor_delta_ratio_bf16: float = 0.300
+    xor_delta_ratio_fp32: float = 0.649
+    unchanged_ratio: float = 0.002
     capacity_slack: float = 1.1
     margin: float = 0.05
     min_numel: int = 65536
 
     def __post_init__(self) -> None:
-        for name in ("entropy_ratio_bf16", "entropy_ratio_fp32"):
+        ratios = (
+            "entropy_ratio_bf16",
+            "entropy_ratio_fp32",
+            "value_ratio_bf16",
+            "value_ratio_fp32",
+        )
+        ratios += ("xor_delta_ratio_bf16", "xor_delta_ratio_fp32", "unchanged_ratio")
+        for name in ratios:
             if not 0 < getattr(self, name) <= 1:
                 raise InputError(f"{name} must be in (0, 1], got {getattr(self, name)!r}")
         for name in ("entropy_throughput", "entropy_cpu_throughput"):
@@ -776,7 +805,8 @@ def gather_cost(
 ) -> GatherCost:
     """Modelled cost of gathering ``event``'s group with ``method`` (see the module docstring).
 
-    ``mode`` applies to ``"adera"`` only; the compressed baselines always compress.
+    ``mode`` applies to ``"adera"`` and ``"adera_value"`` only; the other compressed methods
+    always compress.
 
     Examples:
         >>> p = HardwareProfile.preset("h100_nvlink4_ib400")
@@ -815,6 +845,27 @@ def gather_cost(
             + (raw_bytes + full_bytes) / rate
             + all_gather_time(8.0, world_size, profile, topology)
         )
+    elif method in ("adera_value", "xor_delta"):
+        value = method == "adera_value"
+        if event.change_rate == 0:  # a re-gather of weights that did not change
+            ratio = b.unchanged_ratio
+        elif value:
+            ratio = b.value_ratio_bf16 if event.dtype == "bf16" else b.value_ratio_fp32
+        else:
+            ratio = b.xor_delta_ratio_bf16 if event.dtype == "bf16" else b.xor_delta_ratio_fp32
+        if value:  # fixed-size payloads: padded like AdERA's exception area
+            payload = min(b.capacity_slack * ratio, 1.0) * raw_bytes
+            codec = (1 + world_size) * profile.codec_launch_s + (
+                raw_bytes / profile.encode_throughput + full_bytes / profile.decode_throughput
+            )
+        else:
+            payload = ratio * raw_bytes
+            rate = b.entropy_throughput if profile.flops is not None else b.entropy_cpu_throughput
+            codec = (
+                2 * profile.codec_launch_s
+                + (raw_bytes + full_bytes) / rate
+                + all_gather_time(8.0, world_size, profile, topology)
+            )
     else:  # int8: one byte per element plus a scale per block; quantise/dequantise like a codec
         payload = shard + b.int8_scale_bytes * -(-shard // b.int8_block)
         codec = (
@@ -825,7 +876,7 @@ def gather_cost(
     cost = GatherCost(
         all_gather_time(payload, world_size, profile, topology), codec, payload, raw_bytes, True
     )
-    if method == "adera" and mode == "auto":
+    if method in ("adera", "adera_value") and mode == "auto":
         small = event.numel < b.min_numel
         if small or not cost.total_s < (1 - b.margin) * raw.total_s:
             return raw
@@ -1025,6 +1076,14 @@ class ProjectionRow:
         """AdERA's step speedup over ``baseline``."""
         return self.step_s[baseline] / self.step_s["adera"]
 
+    def value_gather_speedup(self, baseline: str) -> float:
+        """AdERA value reuse's all-gather speedup over ``baseline``."""
+        return self.gather_s[baseline] / self.gather_s["adera_value"]
+
+    def value_step_speedup(self, baseline: str) -> float:
+        """AdERA value reuse's step speedup over ``baseline``."""
+        return self.step_s[baseline] / self.step_s["adera_value"]
+
 
 def project(
     trace: Trace,
@@ -1090,12 +1149,16 @@ def projection_table(rows: Sequence[ProjectionRow]) -> str:
     """Markdown table of :func:`project`'s rows: speedups of AdERA over each baseline.
 
     Columns: profile, topology, ``P``, raw all-gather ms per step, AdERA's bytes ratio and
-    ceiling, all-gather speedup over raw / entropy / int8, step speedup over raw / entropy / int8.
+    ceiling, all-gather speedup over raw / entropy / int8, step speedup over raw / entropy / int8,
+    then AdERA value reuse's all-gather speedup over raw and over the XOR-delta peer and its step
+    speedup over raw and over the XOR-delta peer.
     """
     header = (
         "| profile | topology | P | raw AG ms/step | AdERA bytes | ceiling 1/r | AG x raw | "
-        "AG x entropy | AG x int8 | step x raw | step x entropy | step x int8 | compressed |\n"
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "AG x entropy | AG x int8 | step x raw | step x entropy | step x int8 | compressed | "
+        "value AG x raw | value AG x xor-delta | value step x raw | value step x xor-delta |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | ---: | ---: |"
     )
     lines = [header]
     for r in rows:
@@ -1104,7 +1167,9 @@ def projection_table(rows: Sequence[ProjectionRow]) -> str:
             f"{r.ratio:.3f} | {r.ceiling:.2f} | {r.gather_speedup('raw'):.2f} | "
             f"{r.gather_speedup('entropy'):.2f} | {r.gather_speedup('int8'):.2f} | "
             f"{r.step_speedup('raw'):.3f} | {r.step_speedup('entropy'):.3f} | "
-            f"{r.step_speedup('int8'):.3f} | {r.compressed}/{r.gathers} |"
+            f"{r.step_speedup('int8'):.3f} | {r.compressed}/{r.gathers} | "
+            f"{r.value_gather_speedup('raw'):.2f} | {r.value_gather_speedup('xor_delta'):.2f} | "
+            f"{r.value_step_speedup('raw'):.3f} | {r.value_step_speedup('xor_delta'):.3f} |"
         )
     return "\n".join(lines)
 

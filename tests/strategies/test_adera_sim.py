@@ -16,6 +16,7 @@ from ada_modules.strategies.adera_sim import (
     change_rate_curve,
     gather_cost,
     project,
+    projection_table,
     simulate,
     simulate_step,
     synthetic_moe_trace,
@@ -351,3 +352,23 @@ def test_unchanged_chunks_cost_the_same_factor():
     changed = gather_cost(_event(rate=0.5), 2, cheap, "ring", "adera", "always").codec_s
     same = gather_cost(_event(rate=0.0), 2, cheap, "ring", "adera", "always").codec_s
     assert same == pytest.approx(0.25 * changed)
+
+
+def test_delta_methods_use_their_measured_ratios_and_send_little_for_unchanged_weights():
+    profile = HardwareProfile.preset("h100_nvlink4_ib400")
+    b = Baselines()
+    moved = GatherEvent("experts", 2**24, "bf16", 0.01, 0, "forward", 0.0)
+    same = dataclasses.replace(moved, change_rate=0.0, phase="backward", order=1)
+    value = gather_cost(moved, 16, profile, "ring", "adera_value", mode="always")
+    assert value.ratio == pytest.approx(b.capacity_slack * b.value_ratio_bf16)
+    xor = gather_cost(moved, 16, profile, "ring", "xor_delta")
+    assert xor.ratio == pytest.approx(b.xor_delta_ratio_bf16)
+    for method in ("adera_value", "xor_delta"):
+        cost = gather_cost(same, 16, profile, "ring", method, mode="always")
+        assert cost.ratio <= b.capacity_slack * b.unchanged_ratio
+    fp32 = dataclasses.replace(moved, dtype="fp32")
+    assert gather_cost(fp32, 16, profile, "ring", "xor_delta").ratio == b.xor_delta_ratio_fp32
+    trace = synthetic_moe_trace(num_layers=1, d_model=256, d_ff=512, steps=(300,))
+    row = project(trace, profile, [16])[0]
+    assert row.value_gather_speedup("raw") == row.gather_s["raw"] / row.gather_s["adera_value"]
+    assert "value AG x xor-delta" in projection_table([row])
