@@ -66,7 +66,7 @@ TECHNIQUES: tuple[Technique, ...] = (
        "Sparse prefill attention whose per-head budget is set from a cheap probe.",
        status="implemented", issue=16),
     _T("AdERA", "adera", "Lightning Strategy (FSDP2)",
-       "Lossless FSDP2 all-gather that resends only sign and mantissa when exponents repeat.",
+       "Lossless FSDP2 all-gather that reuses each weight's cached exponent or previous value.",
        status="implemented", issue=4),
     _T("AcceleGrad#", "accelegrad_sharp", "Optimizer",
        "Accelerated linear coupling of an adaptive anchor with a per-layer geometry step.",

@@ -89,8 +89,12 @@ def _worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
         adera, trainer = _fit(adera_strategy, tmp)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if "adera" in k}
         auto, _ = _fit(AdERAStrategy(**sizes, min_numel=1024), tmp)  # calibrates at setup
-        alternate = AdERAStrategy(**sizes, mode="always", min_numel=1024, alternate_steps=True)
-        alternating, _ = _fit(alternate, tmp)
+        # Value reuse, alternating compressed and raw steps (raw gathers refresh value caches).
+        alternate = AdERAStrategy(
+            **sizes, mode="always", min_numel=1024, alternate_steps=True, reuse="value"
+        )
+        alternating, trainer = _fit(alternate, tmp)
+        value_metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if "adera" in k}
         # resume halfway, with each strategy: AdERA's caches are rebuilt, so both runs agree
         factories = {
             "plain": lambda: ModelParallelStrategy(**sizes),
@@ -112,6 +116,11 @@ def _worker(rank: int, port: int, tmp: str, queue: "mp.Queue") -> None:
                     "alternating_equal": _same(plain, alternating),
                     "resumed_equal": _same(resumed["plain"], resumed["adera"]),
                     "metrics": metrics,
+                    "value_metrics": value_metrics,
+                    "value_cache_bytes": sum(c.cache_nbytes for c in alternate.comms.values()),
+                    "exponent_cache_bytes": sum(
+                        c.cache_nbytes for c in adera_strategy.comms.values()
+                    ),
                     "resumed_metrics": resumed_metrics,
                 },
             )
@@ -134,6 +143,10 @@ def test_strategy_matches_model_parallel_and_resumes_exactly(tmp_path):
         assert metrics["train/adera_compressed_gathers"] > 0
         assert metrics["train/adera_compressed_bytes_ratio"] < 0.85
         assert 0.5 < metrics["train/adera_reuse_rate"] <= 1.0
+        assert metrics["train/adera_cache_bytes"] == result["exponent_cache_bytes"] > 0
+        # the alternating value-reuse run's last step sent raw gathers; its caches are fp32 values
+        assert result["value_metrics"]["train/adera_cache_bytes"] == result["value_cache_bytes"]
+        assert result["value_cache_bytes"] == 4 * result["exponent_cache_bytes"]
 
 
 TRACE_STEPS = 6
