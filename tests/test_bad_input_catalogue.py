@@ -33,6 +33,7 @@ from ada_modules.data.pde import PDEDataModule, solve_pde
 from ada_modules.data.sudoku import generate_sudoku
 from ada_modules.errors import InputError
 from ada_modules.fl import aggregate
+from ada_modules.kernels import delta_codec
 from ada_modules.kernels.sparse_prefill import sparse_prefill_attention
 from ada_modules.kv import (
     AADAccumulator,
@@ -436,6 +437,16 @@ CASES = [
         "strategies",
         '`AdERAStrategy(mode="sometimes")`',
         _raises(lambda tmp: AdERAStrategy(mode="sometimes")),
+    ),
+    Case(
+        "strategies",
+        '`AdERAStrategy(reuse="auto")` without `value_cache_bytes`',
+        _raises(lambda tmp: AdERAStrategy(reuse="auto")),
+    ),
+    Case(
+        "strategies",
+        "`delta_codec.encode(x, cache)` with bf16 `x` and an fp32 cache",
+        _raises(lambda tmp: delta_codec.encode(torch.zeros(8).bfloat16(), torch.zeros(8))),
     ),
     Case(
         "strategies",

@@ -148,6 +148,11 @@ class AdERAStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        if (reuse == "auto") != (value_cache_bytes is not None):
+            raise InputError(
+                "reuse='auto' needs value_cache_bytes, and only reuse='auto' takes it; got "
+                f"reuse={reuse!r} with value_cache_bytes={value_cache_bytes!r}"
+            )
         CostModel(margin=margin)  # validates margin
         # Validate the all-gather arguments now rather than at setup.
         AdERAAllGather(
