@@ -69,6 +69,14 @@ import torch
 
 from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
+from ada_modules.kernels._payload import (
+    HEADER_NBYTES,
+    PayloadHeader,
+    check_buffer,
+    check_spill,
+    header_bytes,
+    parse_header,
+)
 from ada_modules.kernels.exponent_codec import (
     SUPPORTED_DTYPES,
     _check_chunk_size,
@@ -100,26 +108,11 @@ __all__ = [
 
 DEFAULT_CHUNK_SIZE = 1024
 """Elements per chunk: one 4-byte chunk word per 1024 elements."""
-HEADER_NBYTES = 32
-"""Bytes of the payload header."""
 SAME, RAW = 0, 1
 """Chunk form codes; ``EG(k)`` is ``2 + k``."""
 
 _MAGIC = 0xDE
-_VERSION = 1
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float32: 2}
-_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 _WIDTH = {torch.bfloat16: 16, torch.float32: 32}
-
-
-class PayloadHeader(NamedTuple):
-    """The fields of a payload header (see :func:`read_header`)."""
-
-    numel: int
-    dtype: torch.dtype
-    chunk_size: int
-    stream_nbytes: int
-    capacity_bytes: int
 
 
 class ChunkForms(NamedTuple):
@@ -336,20 +329,7 @@ def chunk_forms(
 def _header_bytes(
     numel: int, dtype: torch.dtype, chunk_size: int, stream: torch.Tensor | int, capacity: int
 ) -> torch.Tensor:
-    """The 32 header bytes; ``stream`` may be a 0-d device tensor (no host sync needed)."""
-    fields = torch.zeros(4, dtype=torch.int64)
-    fields[0] = (
-        _MAGIC | _VERSION << 8 | _DTYPE_CODES[dtype] << 16 | int(math.log2(chunk_size)) << 24
-    )
-    fields[1] = numel
-    fields[3] = capacity
-    header = fields.view(torch.uint8)
-    if isinstance(stream, torch.Tensor):
-        header = header.to(stream.device)
-        header[16:24] = stream.reshape(1).to(torch.int64).view(torch.uint8)
-    else:
-        header[16:24] = torch.tensor([stream], dtype=torch.int64).view(torch.uint8)
-    return header
+    return header_bytes(_MAGIC, numel, dtype, chunk_size, stream, capacity)
 
 
 def read_header(buffer: torch.Tensor) -> PayloadHeader:
@@ -363,21 +343,7 @@ def read_header(buffer: torch.Tensor) -> PayloadHeader:
         >>> read_header(encode(x, x))
         PayloadHeader(numel=100, dtype=torch.float32, chunk_size=1024, stream_nbytes=0, capacity_bytes=0)
     """
-    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
-        raise InputError("buffer must be a 1-D torch.uint8 tensor")
-    if buffer.numel() < HEADER_NBYTES:
-        raise InputError(
-            f"buffer has {buffer.numel()} bytes, fewer than the {HEADER_NBYTES}-byte header"
-        )
-    head = buffer[:HEADER_NBYTES].to("cpu", copy=True)
-    magic, version, code, log_chunk = head[:4].tolist()
-    if magic != _MAGIC or version != _VERSION or code not in _CODE_DTYPES:
-        raise InputError(
-            f"buffer does not start with a delta-codec header (magic {magic:#x}, version "
-            f"{version}, dtype code {code})"
-        )
-    numel, stream, capacity = head[8:].view(torch.int64).tolist()
-    return PayloadHeader(numel, _CODE_DTYPES[code], 1 << log_chunk, stream, capacity)
+    return parse_header(buffer, _MAGIC, "a delta-codec")
 
 
 def _check_buffer(
@@ -391,28 +357,13 @@ def _check_buffer(
     _check_nonnegative_int(numel, "numel")
     if header is None:
         header = read_header(buffer)
-    if header.numel != numel or header.dtype != dtype:
-        raise InputError(
-            f"buffer holds {header.numel} elements of {header.dtype}, expected {numel} of {dtype}"
-        )
-    expected = payload_nbytes(numel, dtype, header.capacity_bytes, header.chunk_size)
-    if buffer.numel() != expected:
-        raise InputError(f"buffer has {buffer.numel()} bytes, its header implies {expected}")
+    check_buffer(buffer, numel, dtype, header, payload_nbytes)
     _check_cache(cache, numel, dtype, buffer.device)
     return header
 
 
 def _check_spill(spill: torch.Tensor | None, header: PayloadHeader, device: torch.device) -> None:
-    need = max(header.stream_nbytes - header.capacity_bytes, 0)
-    have = 0 if spill is None else spill.numel()
-    if have != need:
-        raise InputError(
-            f"spill must hold the {need} stream bytes that did not fit the buffer, got {have}"
-        )
-    if spill is not None and (spill.dtype != torch.uint8 or spill.device != device):
-        raise InputError(
-            f"spill must be torch.uint8 on {device}, got {spill.dtype} on {spill.device}"
-        )
+    check_spill(spill, header, device, "stream")
 
 
 def _chunk_words(forms: ChunkForms) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """AdERA's compressed FSDP2 all-gather: exact weights from sign+mantissa and an exponent cache.
 
-Usable without Lightning (:func:`install_adera_all_gather` after ``fully_shard``);
+Usable without Lightning
+(:func:`~ada_modules.strategies.adera_install.install_adera_all_gather` after ``fully_shard``);
 :class:`~ada_modules.strategies.AdERAStrategy` installs it for a Lightning ``Trainer``.
 
 :class:`AdERAAllGather` implements FSDP2's custom all-gather protocol
@@ -44,13 +45,11 @@ import math
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ada_modules.errors import InputError
 from ada_modules.kernels import delta_codec
@@ -72,9 +71,7 @@ __all__ = [
     "Mode",
     "Reuse",
     "check_impl",
-    "install_adera_all_gather",
     "require_custom_all_gather",
-    "verify_exponent_caches",
 ]
 
 # torch 2.14 deprecates all_gather_into_tensor in favour of all_gather_single (same arguments).
@@ -169,7 +166,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 class AdERAAllGather(_AllGatherBase):
     """FSDP2 custom all-gather that sends sign+mantissa planes and only the changed exponents.
 
-    Install one instance per FSDP module with :func:`install_adera_all_gather` (or
+    Install one instance per FSDP module with
+    :func:`~ada_modules.strategies.adera_install.install_adera_all_gather` (or
     ``fsdp_module.set_custom_all_gather(AdERAAllGather(...))``). The instance keeps the cache of
     its parameter group on every rank (:attr:`cache_nbytes`: ``world_size * shard_numel`` bytes
     with ``reuse="exponent"``, the group's full size in its dtype with ``reuse="value"``) and its
@@ -195,7 +193,8 @@ class AdERAAllGather(_AllGatherBase):
             reuse if the group's value cache fits what is left of ``value_cache_budget`` at its
             first tracked gather, exponent reuse otherwise (:attr:`reuse` then says which).
         value_cache_budget: The budget ``reuse="auto"`` draws on, shared by the groups of a model
-            (:func:`install_adera_all_gather` makes one from ``value_cache_bytes``).
+            (:func:`~ada_modules.strategies.adera_install.install_adera_all_gather` makes one from
+            ``value_cache_bytes``).
         cost_model: The model ``"auto"`` consults; identical on every rank (default:
             :class:`~ada_modules.strategies.adera_cost_model.CostModel`'s defaults). A group
             that it would not compress even without any changed exponent keeps no cache.
@@ -502,17 +501,16 @@ class AdERAAllGather(_AllGatherBase):
     def _compressed_gather(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
-        if self.reuse == "value":
-            self._compressed_value_gather(output_tensor, input_tensor, group)
-            return
         world, rank = group.size(), group.rank()
         numel, dtype, device = input_tensor.numel(), input_tensor.dtype, input_tensor.device
+        values = self.reuse == "value"
+        used = self._codec
         cache = self._cache.view(world, numel)
         capacity = self._capacity(numel, dtype)
         stats = self.stats
 
         start = time.perf_counter()
-        buffer, spill = codec.encode_into(
+        buffer, spill = used.encode_into(
             input_tensor, cache[rank], capacity, chunk_size=self.chunk_size, impl=self.impl
         )
         stats.codec_time_s += time.perf_counter() - start
@@ -524,13 +522,11 @@ class AdERAAllGather(_AllGatherBase):
         stats.comm_time_s += time.perf_counter() - start
 
         start = time.perf_counter()
-        # One device-to-host copy of every rank's header and chunk counts.
-        n_chunks = math.ceil(numel / self.chunk_size)
-        prefix = gathered[:, : codec.HEADER_NBYTES + 2 * n_chunks].cpu()
-        headers = [codec.read_header(prefix[r]) for r in range(world)]
-        meta = prefix[:, codec.HEADER_NBYTES :].to(torch.int64)
+        # One device-to-host copy of every rank's header (and, for exponents, chunk counts).
+        counts_nbytes = 0 if values else 2 * math.ceil(numel / self.chunk_size)
+        prefix = gathered[:, : used.HEADER_NBYTES + counts_nbytes].cpu()
+        headers = [used.read_header(prefix[r]) for r in range(world)]
         streams = [h.stream_nbytes for h in headers]
-        self._record(streams, int(meta[:, 0::2].sum() + (meta[:, 1::2] << 8).sum()), numel)
         spills = [max(s - capacity, 0) for s in streams]
         stats.codec_time_s += time.perf_counter() - start
 
@@ -539,18 +535,27 @@ class AdERAAllGather(_AllGatherBase):
 
         start = time.perf_counter()
         out = output_tensor.view(world, numel)
+        if values:
+            exponents_before = codec.extract_exponents(self._cache)
         for r in range(world):
-            codec.decode_from(
+            kwargs = {"out": cache[r]} if values else {"out": out[r], "cache_out": cache[r]}
+            used.decode_from(
                 gathered[r],
                 cache[r],
                 numel,
                 dtype,
                 spill=spill_out[r, : spills[r]] if spills[r] else None,
-                out=out[r],
-                cache_out=cache[r],
                 header=headers[r],
                 impl=self.impl,
+                **kwargs,
             )
+        if values:
+            out.copy_(cache)
+            changed = int((codec.extract_exponents(self._cache) != exponents_before).sum())
+        else:
+            meta = prefix[:, used.HEADER_NBYTES :].to(torch.int64)
+            changed = int(meta[:, 0::2].sum() + (meta[:, 1::2] << 8).sum())
+        self._record(streams, changed, numel)
         stats.codec_time_s += time.perf_counter() - start
 
     def _gather_spills(
@@ -582,63 +587,13 @@ class AdERAAllGather(_AllGatherBase):
         stats.compressed_bytes_sent += sent
         return spill_out
 
-    def _compressed_value_gather(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
-    ) -> None:
-        world, rank = group.size(), group.rank()
-        numel, dtype, device = input_tensor.numel(), input_tensor.dtype, input_tensor.device
-        cache = self._cache.view(world, numel)
-        capacity = self._capacity(numel, dtype)
-        stats = self.stats
-
-        start = time.perf_counter()
-        buffer, spill = delta_codec.encode_into(
-            input_tensor, cache[rank], capacity, chunk_size=self.chunk_size, impl=self.impl
-        )
-        stats.codec_time_s += time.perf_counter() - start
-
-        start = time.perf_counter()
-        gathered = torch.empty(world * buffer.numel(), dtype=torch.uint8, device=device)
-        _all_gather(gathered, buffer, group=group)
-        gathered = gathered.view(world, -1)
-        stats.comm_time_s += time.perf_counter() - start
-
-        start = time.perf_counter()
-        prefix = gathered[:, : delta_codec.HEADER_NBYTES].cpu()  # one device-to-host copy
-        headers = [delta_codec.read_header(prefix[r]) for r in range(world)]
-        streams = [h.stream_nbytes for h in headers]
-        spills = [max(s - capacity, 0) for s in streams]
-        stats.codec_time_s += time.perf_counter() - start
-
-        spill_out = self._gather_spills(spill, spills, streams, buffer.numel(), group)
-        stats.compressed_raw_bytes += world * codec.raw_nbytes(numel, dtype)
-
-        start = time.perf_counter()
-        out = output_tensor.view(world, numel)
-        exponents_before = codec.extract_exponents(self._cache)
-        for r in range(world):
-            delta_codec.decode_from(
-                gathered[r],
-                cache[r],
-                numel,
-                dtype,
-                spill=spill_out[r, : spills[r]] if spills[r] else None,
-                out=cache[r],
-                header=headers[r],
-                impl=self.impl,
-            )
-        out.copy_(cache)
-        changed = int((codec.extract_exponents(self._cache) != exponents_before).sum())
-        self._record(streams, changed, numel)
-        stats.codec_time_s += time.perf_counter() - start
-
     # Cache checks -------------------------------------------------------------------------------
 
     def cache_checksum(self) -> int:
         """A cheap position-weighted checksum of the exponent cache (0 when there is none).
 
         Equal caches give equal checksums on every rank; compare them with
-        :func:`verify_exponent_caches`.
+        :func:`~ada_modules.strategies.adera_install.verify_exponent_caches`.
         """
         if self._cache is None:
             return 0
@@ -660,78 +615,3 @@ def _changed_exponents(new: torch.Tensor, old: torch.Tensor) -> int:
 def _int_bits(t: torch.Tensor) -> torch.Tensor:
     size = t.element_size()
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
-
-
-def install_adera_all_gather(
-    module: nn.Module, value_cache_bytes: int | None = None, **kwargs: object
-) -> dict[str, AdERAAllGather]:
-    """Give every FSDP module under ``module`` (itself included) its own :class:`AdERAAllGather`.
-
-    Args:
-        module: A model already sharded with ``fully_shard``.
-        value_cache_bytes: With ``reuse="auto"``: the bytes of value caches all groups together
-            may hold on each rank (one :class:`~ada_modules.strategies.adera_budget.ValueCacheBudget`
-            shared by the instances; groups claim it in gather order).
-        **kwargs: Arguments of :class:`AdERAAllGather` (``name`` is set to the module's name).
-
-    Returns:
-        The installed instances by module name (``""`` for ``module`` itself).
-
-    Raises:
-        RuntimeError: If this torch has no custom all-gather.
-        ValueError: If no FSDP module is found.
-    """
-    require_custom_all_gather()
-    from torch.distributed.fsdp import FSDPModule
-
-    if (kwargs.get("reuse") == "auto") != (value_cache_bytes is not None):
-        raise InputError(
-            "reuse='auto' needs value_cache_bytes, and only reuse='auto' takes it; got "
-            f"reuse={kwargs.get('reuse', 'exponent')!r} with value_cache_bytes={value_cache_bytes!r}"
-        )
-    if value_cache_bytes is not None:
-        kwargs["value_cache_budget"] = ValueCacheBudget(value_cache_bytes)
-    comms: dict[str, AdERAAllGather] = {}
-    for name, sub in module.named_modules():
-        if isinstance(sub, FSDPModule):
-            comm = AdERAAllGather(name=name, **kwargs)
-            sub.set_custom_all_gather(comm)
-            comms[name] = comm
-    if not comms:
-        raise InputError("module has no FSDP module: apply fully_shard before installing AdERA")
-    return comms
-
-
-def verify_exponent_caches(
-    comms: Iterable[AdERAAllGather],
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | str | None = None,
-) -> None:
-    """Check that every rank of ``group`` holds the same exponent caches (collective).
-
-    One ``all_reduce`` of two ``int64`` per instance: each rank's checksums and their negatives
-    are reduced with MAX; the caches agree when the maximum equals the minimum everywhere.
-
-    Args:
-        comms: The instances of this rank, in the same order on every rank.
-        group: Process group (default: the world).
-        device: Device of the reduced tensor (default: that of the first cache, else CPU); CUDA
-            for NCCL groups.
-
-    Raises:
-        RuntimeError: Naming the groups whose caches differ across ranks.
-    """
-    comms = list(comms)
-    if device is None:
-        caches = [c._cache for c in comms if c._cache is not None]
-        device = caches[0].device if caches else "cpu"
-    sums = torch.tensor([c.cache_checksum() for c in comms], dtype=torch.int64, device=device)
-    both = torch.cat([sums, -sums])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    highest, lowest = both[: len(comms)], -both[len(comms) :]
-    bad = [c.name or "<root>" for c, hi, lo in zip(comms, highest, lowest, strict=True) if hi != lo]
-    if bad:
-        raise RuntimeError(
-            f"AdERA exponent caches differ across ranks for groups {bad}; the weights of the next "
-            "gathers would be wrong (reset the caches or resume from a checkpoint)"
-        )

@@ -25,12 +25,11 @@ from ada_modules.strategies.adera import (
     AdERAAllGather,
     Mode,
     Reuse,
-    install_adera_all_gather,
     require_custom_all_gather,
-    verify_exponent_caches,
 )
 from ada_modules.strategies.adera_budget import ValueCacheBudget
 from ada_modules.strategies.adera_cost_model import CostModel
+from ada_modules.strategies.adera_install import install_adera_all_gather, verify_exponent_caches
 from ada_modules.strategies.adera_stats import GatherStats
 from ada_modules.strategies.adera_trace import GatherRecord, trace_from_records
 from ada_modules.strategies.sharding import check_shard_spec, is_sharded, shard_module
