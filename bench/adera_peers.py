@@ -65,7 +65,6 @@ import argparse
 import importlib
 import importlib.metadata
 import json
-import statistics
 import sys
 import time
 import warnings
@@ -77,6 +76,7 @@ from typing import Any
 
 import matplotlib
 import torch
+from adera import median_times  # bench/adera.py, beside this script
 from lightning.pytorch import LightningModule
 from torch import nn
 
@@ -365,19 +365,6 @@ def bytes_row(
         "inputs_intact": intact,
         "all_exact": intact and all(ok is not False for ok in exact.values()),
     }
-
-
-def median_times(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, calls alternated (A, B, C, A, B, C, ...) after a warm-up."""
-    for fn in fns.values():
-        fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def time_methods(

@@ -83,6 +83,9 @@ from ada_modules.kernels.exponent_codec import (
     _check_dtype,
     _check_nonnegative_int,
     _check_out,
+    _chunk_lengths,
+    _dummy_spill,
+    _int_view,
     raw_nbytes,
 )
 
@@ -174,14 +177,6 @@ def payload_nbytes(
     """
     _check_nonnegative_int(capacity_bytes, "capacity_bytes")
     return encoded_nbytes(numel, dtype, capacity_bytes, chunk_size)
-
-
-def _chunk_lengths(numel: int, chunk_size: int, device: torch.device) -> torch.Tensor:
-    n_chunks = math.ceil(numel / chunk_size)
-    lengths = torch.full((n_chunks,), chunk_size, dtype=torch.int64, device=device)
-    if n_chunks:
-        lengths[-1] = numel - (n_chunks - 1) * chunk_size
-    return lengths
 
 
 # ----------------------------------------------------------------------------------------------
@@ -852,16 +847,6 @@ if triton_available():
         else:
             bits = tl.where(u >= 2147483648, u - 4294967296, u).to(tl.int32)
         tl.store(out_ptr + offs, bits, mask=mask)
-
-
-def _int_view(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
-
-
-def _dummy_spill(spill: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    if spill is not None and spill.numel():
-        return spill
-    return torch.zeros(1, dtype=torch.uint8, device=device)
 
 
 def _forms_triton(flat: torch.Tensor, cache: torch.Tensor, chunk_size: int) -> ChunkForms:

@@ -794,6 +794,20 @@ class GatherCost:
         return self.payload_bytes / self.raw_bytes
 
 
+def _entropy_codec_s(
+    raw_bytes: float, world_size: int, profile: HardwareProfile, topology: Topology, b: Baselines
+) -> float:
+    """Codec time of an entropy coder: one encode and one batched decode of all ``P`` shards
+    (2 calls, as such libraries do), plus one latency-only all-gather of the data-dependent
+    sizes before the data."""
+    rate = b.entropy_throughput if profile.flops is not None else b.entropy_cpu_throughput
+    return (
+        2 * profile.codec_launch_s
+        + (raw_bytes + raw_bytes * world_size) / rate
+        + all_gather_time(8.0, world_size, profile, topology)
+    )
+
+
 def gather_cost(
     event: GatherEvent,
     world_size: int,
@@ -837,14 +851,7 @@ def gather_cost(
     elif method == "entropy":
         ratio = b.entropy_ratio_bf16 if event.dtype == "bf16" else b.entropy_ratio_fp32
         payload = ratio * raw_bytes
-        rate = b.entropy_throughput if profile.flops is not None else b.entropy_cpu_throughput
-        # One encode and one batched decode of all P shards (2 calls), as such libraries do.
-        # Data-dependent sizes: one extra latency-only all-gather of the sizes before the data.
-        codec = (
-            2 * profile.codec_launch_s
-            + (raw_bytes + full_bytes) / rate
-            + all_gather_time(8.0, world_size, profile, topology)
-        )
+        codec = _entropy_codec_s(raw_bytes, world_size, profile, topology, b)
     elif method in ("adera_value", "xor_delta"):
         value = method == "adera_value"
         if event.change_rate == 0:  # a re-gather of weights that did not change
@@ -860,12 +867,7 @@ def gather_cost(
             )
         else:
             payload = ratio * raw_bytes
-            rate = b.entropy_throughput if profile.flops is not None else b.entropy_cpu_throughput
-            codec = (
-                2 * profile.codec_launch_s
-                + (raw_bytes + full_bytes) / rate
-                + all_gather_time(8.0, world_size, profile, topology)
-            )
+            codec = _entropy_codec_s(raw_bytes, world_size, profile, topology, b)
     else:  # int8: one byte per element plus a scale per block; quantise/dequantise like a codec
         payload = shard + b.int8_scale_bytes * -(-shard // b.int8_block)
         codec = (
