@@ -76,7 +76,7 @@ from typing import Any
 
 import matplotlib
 import torch
-from adera import median_times  # bench/adera.py, beside this script
+from adera import flat, fsdp_groups, median_times  # bench/adera.py, beside this script
 from lightning.pytorch import LightningModule
 from torch import nn
 
@@ -290,18 +290,10 @@ def lm_groups(module: CausalLMModule) -> list[list[nn.Parameter]]:
 
 
 def moe_groups(module: MoELMModule) -> list[list[nn.Parameter]]:
-    """Per block, the stacked experts and the rest of the block (as ``configure_model`` shards)."""
-    groups = []
-    for block in module.model.blocks:
-        experts = list(block.moe.experts.parameters())
-        ids = {id(q) for q in experts}
-        groups += [experts, [q for q in block.parameters() if id(q) not in ids]]
-    return groups
-
-
-def flat(group: list[nn.Parameter]) -> torch.Tensor:
-    """The parameters of a group, flattened and concatenated (a copy)."""
-    return torch.cat([q.detach().reshape(-1) for q in group])
+    """Per block, the stacked experts and the rest of the block (as ``configure_model`` shards);
+    the root group is left out, as for the LM."""
+    experts, others = fsdp_groups(module.model)
+    return [group for pair in zip(experts, others[: len(experts)], strict=True) for group in pair]
 
 
 def train(
