@@ -124,6 +124,11 @@ class ChunkForms(NamedTuple):
     form: torch.Tensor
     size: torch.Tensor
 
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Where each chunk's bytes start in the stream (exclusive prefix sum of ``size``)."""
+        return torch.cumsum(self.size, 0) - self.size
+
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks and byte accounting
@@ -421,7 +426,7 @@ class _Planes:
 def _stream_layout(forms: ChunkForms, numel: int, chunk_size: int) -> tuple[torch.Tensor, ...]:
     """``(offsets, lengths, k)``: per chunk its stream offset, its elements and its ``EG`` order
     (``-1`` for ``SAME``/``RAW``)."""
-    offsets = torch.cumsum(forms.size, 0) - forms.size
+    offsets = forms.offsets
     lengths = _chunk_lengths(numel, chunk_size, forms.form.device)
     k = torch.where(forms.form >= 2, forms.form - 2, -1)
     return offsets, lengths, k
@@ -873,7 +878,7 @@ def _encode_into_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     numel, dtype, device = flat.numel(), flat.dtype, flat.device
     forms = _forms_triton(flat, cache, chunk_size)
-    offsets = torch.cumsum(forms.size, 0) - forms.size
+    offsets = forms.offsets
     total = int(forms.size.sum())  # host sync: the spill's length (and, for `encode`, the capacity)
     capacity = total if capacity is None else capacity
     buffer = torch.zeros(
@@ -916,7 +921,7 @@ def _decode_from_triton(
     numel, dtype, chunk_size, device = header.numel, header.dtype, header.chunk_size, buffer.device
     n_chunks = math.ceil(numel / chunk_size)
     forms = _read_chunk_words(buffer, n_chunks)
-    offsets = torch.cumsum(forms.size, 0) - forms.size
+    offsets = forms.offsets
     x = out if out is not None else torch.empty(numel, dtype=dtype, device=device)
     if n_chunks:
         _delta_decode_kernel[(n_chunks,)](

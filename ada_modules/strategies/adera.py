@@ -46,6 +46,7 @@ import time
 import warnings
 from collections import deque
 from dataclasses import asdict
+from types import ModuleType
 from typing import Literal, get_args
 
 import torch
@@ -430,7 +431,8 @@ class AdERAAllGather(_AllGatherBase):
         return True
 
     @property
-    def _codec(self):  # noqa: ANN202 - one of two modules with the same payload functions
+    def _codec(self) -> ModuleType:
+        """The codec module of this group's reuse mode (both have the same payload functions)."""
         return delta_codec if self.reuse == "value" else codec
 
     @property

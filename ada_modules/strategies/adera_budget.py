@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ada_modules.errors import InputError
 
-__all__ = ["ValueCacheBudget"]
+__all__ = ["ValueCacheBudget", "budget_for"]
 
 
 @dataclass
@@ -46,3 +46,21 @@ class ValueCacheBudget:
     def release(self, nbytes: int) -> None:
         """Give back ``nbytes`` claimed earlier."""
         self.used -= nbytes
+
+
+def budget_for(reuse: str, value_cache_bytes: int | None) -> ValueCacheBudget | None:
+    """The budget ``reuse="auto"`` shares among a model's groups; ``None`` for the other modes.
+
+    Raises:
+        InputError: If ``reuse="auto"`` comes without ``value_cache_bytes`` or another mode with it.
+
+    Examples:
+        >>> budget_for("auto", 1 << 20), budget_for("value", None)
+        (ValueCacheBudget(nbytes=1048576, used=0), None)
+    """
+    if (reuse == "auto") != (value_cache_bytes is not None):
+        raise InputError(
+            "reuse='auto' needs value_cache_bytes, and only reuse='auto' takes it; got "
+            f"reuse={reuse!r} with value_cache_bytes={value_cache_bytes!r}"
+        )
+    return None if value_cache_bytes is None else ValueCacheBudget(value_cache_bytes)

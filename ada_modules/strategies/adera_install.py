@@ -16,7 +16,7 @@ from torch import nn
 
 from ada_modules.errors import InputError
 from ada_modules.strategies.adera import AdERAAllGather, require_custom_all_gather
-from ada_modules.strategies.adera_budget import ValueCacheBudget
+from ada_modules.strategies.adera_budget import budget_for
 
 __all__ = ["install_adera_all_gather", "verify_exponent_caches"]
 
@@ -43,13 +43,9 @@ def install_adera_all_gather(
     require_custom_all_gather()
     from torch.distributed.fsdp import FSDPModule
 
-    if (kwargs.get("reuse") == "auto") != (value_cache_bytes is not None):
-        raise InputError(
-            "reuse='auto' needs value_cache_bytes, and only reuse='auto' takes it; got "
-            f"reuse={kwargs.get('reuse', 'exponent')!r} with value_cache_bytes={value_cache_bytes!r}"
-        )
-    if value_cache_bytes is not None:
-        kwargs["value_cache_budget"] = ValueCacheBudget(value_cache_bytes)
+    budget = budget_for(kwargs.get("reuse", "exponent"), value_cache_bytes)
+    if budget is not None:
+        kwargs["value_cache_budget"] = budget
     comms: dict[str, AdERAAllGather] = {}
     for name, sub in module.named_modules():
         if isinstance(sub, FSDPModule):

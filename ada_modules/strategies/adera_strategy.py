@@ -27,7 +27,7 @@ from ada_modules.strategies.adera import (
     Reuse,
     require_custom_all_gather,
 )
-from ada_modules.strategies.adera_budget import ValueCacheBudget
+from ada_modules.strategies.adera_budget import budget_for
 from ada_modules.strategies.adera_cost_model import CostModel
 from ada_modules.strategies.adera_install import install_adera_all_gather, verify_exponent_caches
 from ada_modules.strategies.adera_stats import GatherStats
@@ -147,19 +147,12 @@ class AdERAStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if (reuse == "auto") != (value_cache_bytes is not None):
-            raise InputError(
-                "reuse='auto' needs value_cache_bytes, and only reuse='auto' takes it; got "
-                f"reuse={reuse!r} with value_cache_bytes={value_cache_bytes!r}"
-            )
         CostModel(margin=margin)  # validates margin
         # Validate the all-gather arguments now rather than at setup.
         AdERAAllGather(
             mode=mode,
             reuse=reuse,
-            value_cache_budget=None
-            if value_cache_bytes is None
-            else ValueCacheBudget(value_cache_bytes),
+            value_cache_budget=budget_for(reuse, value_cache_bytes),
             min_numel=min_numel,
             chunk_size=chunk_size,
             impl=impl,
