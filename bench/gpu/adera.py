@@ -443,6 +443,21 @@ def time_codec(
     return enc, dec, buffer.numel() / raw_nbytes(numel, dtype)
 
 
+def timing_fields(enc: float, dec: float, copy: float, raw: int, ratio: float) -> dict[str, float]:
+    """Milliseconds, GB/s of ``raw`` shard bytes and ratios of one encode/decode/copy timing."""
+    return {
+        "encode_ms": enc,
+        "decode_ms": dec,
+        "copy_ms": copy,
+        "encode_gb_per_s": raw / enc / 1e6,
+        "decode_gb_per_s": raw / dec / 1e6,
+        "copy_gb_per_s": raw / copy / 1e6,
+        "ratio_encode_vs_copy": enc / copy,
+        "ratio_decode_vs_copy": dec / copy,
+        "bytes_ratio": ratio,
+    }
+
+
 def run_throughput(
     sizes: Sizes, device: torch.device, impl: str, guard: Guard, results: list[dict[str, Any]]
 ) -> None:
@@ -464,12 +479,12 @@ def run_throughput(
             dst = torch.empty_like(x)
             copy = median_ms(lambda x=x, dst=dst: dst.copy_(x), device, rep_ms=50)
             enc, dec, ratio = time_codec(x, cache, arm_impl, device)
-            raw = raw_nbytes(numel, dtype)
-            gbps = {k: raw / ms / 1e6 for k, ms in (("enc", enc), ("dec", dec), ("copy", copy))}
+            f = timing_fields(enc, dec, copy, raw_nbytes(numel, dtype), ratio)
             print(
                 f"| {name} | {numel:,} | {p:.0%} | {arm_impl} | {enc:.4f} | {dec:.4f} | "
-                f"{copy:.4f} | {gbps['enc']:,.2f} | {gbps['dec']:,.2f} | {gbps['copy']:,.2f} | "
-                f"{enc / copy:.1f}× | {dec / copy:.1f}× | {ratio:.4f} |"
+                f"{copy:.4f} | {f['encode_gb_per_s']:,.2f} | {f['decode_gb_per_s']:,.2f} | "
+                f"{f['copy_gb_per_s']:,.2f} | {enc / copy:.1f}× | {dec / copy:.1f}× | "
+                f"{ratio:.4f} |"
             )
             results.append(
                 {
@@ -478,15 +493,7 @@ def run_throughput(
                     "numel": numel,
                     "change_rate": p,
                     "impl": arm_impl,
-                    "encode_ms": enc,
-                    "decode_ms": dec,
-                    "copy_ms": copy,
-                    "encode_gb_per_s": gbps["enc"],
-                    "decode_gb_per_s": gbps["dec"],
-                    "copy_gb_per_s": gbps["copy"],
-                    "ratio_encode_vs_copy": enc / copy,
-                    "ratio_decode_vs_copy": dec / copy,
-                    "bytes_ratio": ratio,
+                    **f,
                 }
             )
             del x, cache, dst
@@ -557,27 +564,18 @@ def delta_throughput_row(
     """Time one shard against one cache; print its table row and return its result."""
     numel, dtype = x.numel(), x.dtype
     enc, dec, ratio, exact = time_delta(x, cache, impl, device, rep_ms)
-    raw = raw_nbytes(numel, dtype)
-    gbps = {k: raw / ms / 1e6 for k, ms in (("enc", enc), ("dec", dec), ("copy", copy))}
-    met = target_met(gbps["enc"], gbps["dec"])
+    f = timing_fields(enc, dec, copy, raw_nbytes(numel, dtype), ratio)
+    met = target_met(f["encode_gb_per_s"], f["decode_gb_per_s"])
     print(
         f"| {name} | {numel:,} | {label} | {enc:.4f} | {dec:.4f} | {copy:.4f} | "
-        f"{gbps['enc']:,.2f} | {gbps['dec']:,.2f} | {gbps['copy']:,.2f} | {enc / copy:.1f}× | "
-        f"{dec / copy:.1f}× | {ratio:.4f} | {'yes' if exact else 'NO'} | {met} |"
+        f"{f['encode_gb_per_s']:,.2f} | {f['decode_gb_per_s']:,.2f} | {f['copy_gb_per_s']:,.2f} | "
+        f"{enc / copy:.1f}× | {dec / copy:.1f}× | {ratio:.4f} | {'yes' if exact else 'NO'} | {met} |"
     )
     return {
-        "encode_ms": enc,
-        "decode_ms": dec,
-        "copy_ms": copy,
-        "encode_gb_per_s": gbps["enc"],
-        "decode_gb_per_s": gbps["dec"],
-        "copy_gb_per_s": gbps["copy"],
-        "ratio_encode_vs_copy": enc / copy,
-        "ratio_decode_vs_copy": dec / copy,
-        "bytes_ratio": ratio,
+        **f,
         "target_gb_per_s": DELTA_TARGET_GB_PER_S,
-        "target_met_encode": gbps["enc"] >= DELTA_TARGET_GB_PER_S,
-        "target_met_decode": gbps["dec"] >= DELTA_TARGET_GB_PER_S,
+        "target_met_encode": f["encode_gb_per_s"] >= DELTA_TARGET_GB_PER_S,
+        "target_met_decode": f["decode_gb_per_s"] >= DELTA_TARGET_GB_PER_S,
         "target_met": met == "yes",
         "ok": bool(exact),
     }
