@@ -25,16 +25,22 @@ reliability layer's operators sample a trained model; their test below runs them
 each wrapper through every cache. AMPS's steering hooks act on a trained model at inference: their
 test below steers a model of each wrapper while it generates through every cache.
 
-:func:`pairwise_rows` picks rows of the product that together hold every pair of values of
-two factors (greedy all-pairs); each row fits a tiny Llama ``CausalLMModule`` on one fixed recall
-batch for a few steps (loss must go down), then tests it with a short ``generate`` through the
-row's cache. Every AdERA row also runs with ``ModelParallelStrategy`` and must end bitwise equal.
-All 2-rank runs share one forked pair of gloo processes. The full product runs as ``slow``.
+:func:`covering_rows` picks rows of the product that together hold every ``strength``-tuple of
+values of that many distinct factors (greedy). The fast suite runs the pairwise rows (strength 2,
+:func:`pairwise_rows`); each row fits a tiny Llama ``CausalLMModule`` on one fixed recall batch
+for a few steps (loss must go down), then tests it with a short ``generate`` through the row's
+cache. Every AdERA row also runs with ``ModelParallelStrategy`` and must end bitwise equal. All
+2-rank runs share one forked pair of gloo processes. The ``slow`` suite runs the 3-wise rows
+(strength 3: every triple of values of three factors) the same way; the full product runs
+instead on request, with ``ADA_COMPOSITION_FULL=1`` (288 rows, about 9 minutes on CI's 2 cores)::
+
+    ADA_COMPOSITION_FULL=1 pytest -m slow tests/test_composition.py::test_three_wise_rows
 """
 
 import itertools
 import json
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -140,27 +146,36 @@ FACTORS = {
 }
 
 
-def pairwise_rows(factors: dict[str, list[str]]) -> list[dict[str, str]]:
-    """Rows of the product of ``factors`` that hold every pair of values of two factors.
+def covering_rows(factors: dict[str, list[str]], strength: int) -> list[dict[str, str]]:
+    """Rows of the product of ``factors`` that hold every ``strength``-tuple of values of
+    ``strength`` distinct factors (strength 2: every pair, 3: every triple).
 
-    Greedy: repeatedly take the row of the product that holds the most pairs not yet held
-    (first in product order on ties), until every pair is held.
+    Greedy: repeatedly take the row of the product that holds the most tuples not yet held
+    (first in product order on ties), until every tuple is held.
     """
     names = list(factors)
     product = [
         dict(zip(names, values, strict=True)) for values in itertools.product(*factors.values())
     ]
 
-    def pairs(row: dict[str, str]) -> set[tuple[tuple[str, str], tuple[str, str]]]:
-        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}
+    def tuples(row: dict[str, str]) -> set[tuple[tuple[str, str], ...]]:
+        return {
+            tuple((name, row[name]) for name in combo)
+            for combo in itertools.combinations(names, strength)
+        }
 
-    missing = set().union(*(pairs(row) for row in product))
+    missing = set().union(*(tuples(row) for row in product))
     rows = []
     while missing:
-        best = max(product, key=lambda row: len(pairs(row) & missing))
+        best = max(product, key=lambda row: len(tuples(row) & missing))
         rows.append(best)
-        missing -= pairs(best)
+        missing -= tuples(best)
     return rows
+
+
+def pairwise_rows(factors: dict[str, list[str]]) -> list[dict[str, str]]:
+    """Rows of the product of ``factors`` that hold every pair of values of two factors."""
+    return covering_rows(factors, 2)
 
 
 def _row_id(row: dict[str, str]) -> str:
@@ -168,9 +183,13 @@ def _row_id(row: dict[str, str]) -> str:
 
 
 ROWS = pairwise_rows(FACTORS)
+TRIPLE_ROWS = covering_rows(FACTORS, 3)
 PRODUCT = [
     dict(zip(FACTORS, values, strict=True)) for values in itertools.product(*FACTORS.values())
 ]
+# the slow suite's rows: the 3-wise rows, or the full product with ADA_COMPOSITION_FULL=1
+FULL = os.environ.get("ADA_COMPOSITION_FULL") == "1"
+SLOW_ROWS = PRODUCT if FULL else TRIPLE_ROWS
 
 
 class _GlobalLoss(Callback):
@@ -300,12 +319,24 @@ def _check(result: dict[str, Any], row: dict[str, str]) -> None:
         assert result["equal_to_fsdp2"], "AdERA parameters differ from FSDP2's"
 
 
+def _hold_every(rows: list[dict[str, str]], strength: int) -> None:
+    held = {tuple(row.values()) for row in rows}
+    for combo in itertools.combinations(enumerate(FACTORS), strength):
+        for values in itertools.product(*(FACTORS[name] for _, name in combo)):
+            assert any(
+                all(r[i] == v for (i, _), v in zip(combo, values, strict=True)) for r in held
+            ), (combo, values)
+
+
 def test_the_rows_hold_every_pair():
-    rows = {tuple(row.values()) for row in ROWS}
-    for (i, a), (j, b) in itertools.combinations(enumerate(FACTORS), 2):
-        for va, vb in itertools.product(FACTORS[a], FACTORS[b]):
-            assert any(r[i] == va and r[j] == vb for r in rows), (a, va, b, vb)
+    _hold_every(ROWS, 2)
     assert len(ROWS) < len(PRODUCT)
+
+
+def test_the_slow_rows_hold_every_triple():
+    _hold_every(TRIPLE_ROWS, 3)
+    assert len(ROWS) < len(TRIPLE_ROWS) < len(PRODUCT)
+    assert covering_rows(FACTORS, 2) == ROWS
 
 
 @pytest.fixture(scope="module")
@@ -336,12 +367,17 @@ def test_two_rank_row(row, distributed_results):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_full_product(tmp_path):
-    for row in (r for r in PRODUCT if r["strategy"] == "single"):
+def test_three_wise_rows(tmp_path):
+    """The 3-wise rows (the full product with ADA_COMPOSITION_FULL=1): single rows here, the
+    2-rank rows through one forked pair of processes."""
+    for row in (r for r in SLOW_ROWS if r["strategy"] == "single"):
         _check(_run(row, str(tmp_path)), row)
-    results, codes = run_ranks(_worker, PRODUCT, str(tmp_path), world_size=WORLD_SIZE, timeout=3000)
+    timeout = 3000 if FULL else 1500
+    results, codes = run_ranks(
+        _worker, SLOW_ROWS, str(tmp_path), world_size=WORLD_SIZE, timeout=timeout
+    )
     assert codes == [0] * WORLD_SIZE, results
-    for row in (r for r in PRODUCT if r["strategy"] != "single"):
+    for row in (r for r in SLOW_ROWS if r["strategy"] != "single"):
         for rank in range(WORLD_SIZE):
             _check(results[rank][_row_id(row)], row)
 
