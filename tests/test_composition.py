@@ -66,6 +66,7 @@ from ada_modules.data import (
     MazeDataModule,
     PreferenceDataModule,
     RecallDataModule,
+    generate_shapes,
 )
 from ada_modules.fl import ASAP
 from ada_modules.kv import AdaKVQCache, ADKVCache, KIVICache
@@ -73,6 +74,7 @@ from ada_modules.merging import amaris, collect_activation_stats, output_deviati
 from ada_modules.models import (
     CandidateSelectionModule,
     CausalLMModule,
+    DiTModule,
     DPOModule,
     FederatedSimulationModule,
     MazeNCAModule,
@@ -733,3 +735,54 @@ def test_amps_steers_a_model_of_each_wrapper_through_every_cache(wrapper):
         assert torch.equal(steered[0], plain[0]), name
         assert (steered[1, 0] - plain[1, 0]).abs().max() > 1e-3, name  # first token's scores
         assert torch.equal(generate(make_cache), plain), name
+
+
+AHPA_LEVELS = ["encoder.down_blocks.0", "encoder.down_blocks.1", "encoder.mid_block"]
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "optimizer"),
+    [("none", "accelegrad_sharp"), ("ancre", "adamw"), ("streams", "accelegrad_sharp")],
+)
+def test_ahpa_aligns_a_dit_of_each_wrapper_with_each_optimizer(wrapper, optimizer):
+    """AHPA's head is a training-time add-on of a diffusers DiT, not of the decoder LM the matrix
+    trains: the DiT is wrapped in place (ANCRe routes its blocks; multi-stream residuals pack
+    their streams, which the head reads as their mean), the head hooks the wrapped block, and
+    an optimizer that takes plain parameters (AdamW or AcceleGrad#, each wrapper with one of them,
+    both optimizers covered) fits DiT and head on one fixed batch: the flow
+    loss on fixed noise and the alignment loss both go down, and the exported EMA denoiser
+    carries the wrapper but nothing of the head."""
+    seed_everything(0)
+    module = DiTModule(
+        num_layers=2, num_attention_heads=2, attention_head_dim=16, num_samples=0,
+        alignment={"levels": AHPA_LEVELS, "block_index": 1, "router": "learned"},
+        model_wrapper=WRAPPERS[wrapper]() if WRAPPERS[wrapper] else None,
+        optimizer=partial(OPTIMIZERS[optimizer]["optimizer"].func, lr=3e-3),
+    )  # fmt: skip
+    images, labels = generate_shapes(16, seed=0)
+    z = module.encode(images)
+    t = torch.linspace(0.05, 0.95, 16)
+    noise = torch.randn(z.shape, generator=torch.Generator().manual_seed(1))
+
+    def losses() -> tuple[float, float]:
+        module.train()
+        module.dit.eval()  # no random label dropout; the head still catches (it is training)
+        with torch.no_grad():
+            module.encode(images)
+            flow = module._flow_loss(module.dit, z, labels, t, noise)
+            _, stats = module.aligner.loss(t)
+        align = sum(stats[f"align/loss_{name}"] for name in AHPA_LEVELS)
+        return flow.item(), float(align)
+
+    flow_before, align_before = losses()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels),
+                                         batch_size=16)  # fmt: skip
+    Trainer(
+        accelerator="cpu", max_steps=2 * STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    ).fit(module, train_dataloaders=loader)  # fmt: skip
+    flow_after, align_after = losses()
+    assert flow_after < flow_before and align_after < align_before, (wrapper, optimizer)
+    exported = set(module.export().state_dict())
+    assert not any("aligner" in key or "projector" in key for key in exported)
+    assert exported == set(module.dit.state_dict())

@@ -21,6 +21,9 @@ Warehouse consolidation for AIQL: :class:`ConsolidationSimulator` (a batched, se
 orders; pick K per epoch) and :class:`ConsolidationLogsDataModule` (offline logs of noisy
 heuristics under a source and a target objective; fresh episodes for evaluation).
 
+Procedural shapes for AHPA: :class:`ShapesDataModule` serves seeded images of five shapes in two
+colour families (10 classes) drawn by :func:`generate_shapes`.
+
 Puzzles for aNCA: :class:`MazeDataModule` and :class:`SudokuDataModule` serve seeded mazes
 (:mod:`~ada_modules.data.mazes`, :func:`generate_maze`) and Sudoku puzzles
 (:mod:`~ada_modules.data.sudoku`, :func:`generate_sudoku`) as per-cell image tensors, scored by
@@ -88,6 +91,7 @@ from ada_modules.data.rope_drift import (
     rope_drift_kv,
 )
 from ada_modules.data.sequence_task import SequenceCollator, SequenceExample, SequenceTaskDataModule
+from ada_modules.data.shapes import ShapesDataModule, generate_shapes
 from ada_modules.data.split_datamodule import SplitDataModule
 from ada_modules.data.sudoku import (
     count_solutions,
@@ -140,6 +144,7 @@ __all__ = [
     "SequenceCollator",
     "SequenceExample",
     "SequenceTaskDataModule",
+    "ShapesDataModule",
     "SplitDataModule",
     "SudokuDataModule",
     "TaskDomainsDataModule",
@@ -151,6 +156,7 @@ __all__ = [
     "count_solutions",
     "drift_statistics",
     "evolve_pde",
+    "generate_shapes",
     "generate_maze",
     "generate_sudoku",
     "load_captured_kv",

@@ -6,11 +6,19 @@ implementation, an optimizer), so a baseline and a technique differ by one YAML 
 
 from ada_modules.models.abc_estimator_study import EstimatorStudyModule
 from ada_modules.models.adkv_calibration import ADKVCalibrationModule
+from ada_modules.models.autoencoder import (
+    AutoencoderKLModule,
+    PretrainedAutoencoder,
+    load_autoencoder,
+    tiny_autoencoder_kl,
+)
 from ada_modules.models.candidate_selection import CandidateSelectionModule
 from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.models.classifier import ImageClassifierModule
+from ada_modules.models.dit import DiTModule, euler_sample
 from ada_modules.models.dpo import DPOModule
 from ada_modules.models.federated import FederatedSimulationModule
+from ada_modules.models.frechet import frechet_distance
 from ada_modules.models.image_text_qa import ImageTextQAModule
 from ada_modules.models.merge import MergeModule
 from ada_modules.models.modality_steering import ModalitySteeringModule
@@ -21,11 +29,15 @@ from ada_modules.models.operator_transformer import OperatorTransformerModule
 from ada_modules.models.preference import PreferenceModule, RewardModelModule
 from ada_modules.models.reliability_study import ReliabilityStudyModule
 from ada_modules.models.self_distillation import SelfDistillationModule
+from ada_modules.models.shapes_judge import ShapesJudge, ShapesJudgeModule, load_shapes_judge
 from ada_modules.models.sparse_prefill_study import SparsePrefillStudyModule
 
 __all__ = [
     "ImageTextQAModule",
     "ADKVCalibrationModule",
+    "AutoencoderKLModule",
+    "DiTModule",
+    "euler_sample",
     "CandidateSelectionModule",
     "CausalLMModule",
     "DPOModule",
@@ -38,10 +50,17 @@ __all__ = [
     "OnPolicyModule",
     "OperatorTransformerModule",
     "PreferenceModule",
+    "PretrainedAutoencoder",
     "MoELMModule",
     "ReliabilityStudyModule",
     "RewardModelModule",
     "SelfDistillationModule",
+    "ShapesJudge",
+    "ShapesJudgeModule",
     "SparsePrefillStudyModule",
     "SudokuNCAModule",
+    "frechet_distance",
+    "load_autoencoder",
+    "load_shapes_judge",
+    "tiny_autoencoder_kl",
 ]

@@ -1,6 +1,8 @@
 """Plain ``nn.Module`` building blocks usable without Lightning (neural cellular automata, residual
 connectivity, multi-stream residuals, operator networks, ...)."""
 
+from ada_modules.nn.ahpa import HierarchicalPriorAligner
+from ada_modules.nn.ahpa_router import TimestepRouter, coarse_to_fine_prior
 from ada_modules.nn.anca import (
     DeformablePerception,
     NeuralCellularAutomaton,
@@ -44,6 +46,9 @@ from ada_modules.nn.operator_transformer import OperatorTransformer
 from ada_modules.nn.spectral_mixing import SpectralMixing
 
 __all__ = [
+    "HierarchicalPriorAligner",
+    "TimestepRouter",
+    "coarse_to_fine_prior",
     "ImagePrefixLM",
     "DeformablePerception",
     "NeuralCellularAutomaton",
