@@ -87,6 +87,8 @@ the variant runs of that seed fail without running, naming it. Changing a fit re
 fits of its seed and their variant runs. With ``fit`` among the ``stages``, every variant trains
 too, starting where its overrides say (e.g. a ``LoadWeights`` callback on a fit's checkpoint: one
 shared warm start, then each arm's own training), and its later stages use its own checkpoint.
+With ``--quick`` and ``quick_variants``, only the fits those variants use run: the fits whose
+folders they name, ``{fit_dir}`` standing for the last fit, and the fits those name in turn.
 
 Folders in values: inside any string override value, ``{run_dir}`` stands for the run's own folder
 and ``{fit_dir}`` for the folder of the same seed's shared fit, e.g. to write a file from a callback
@@ -351,6 +353,11 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
             fit_name,
         )
 
+    variants = spec.variants
+    if quick and spec.quick_variants is not None:
+        variants = [v for v in variants if v.name in spec.quick_variants]
+    # a quick profile that runs some variants runs only the fits they need
+    needed = _fits_needed(spec, variants) if quick and spec.quick_variants is not None else None
     fits: dict[int, list[_Run]] = {}  # by seed, in the order they run
     for seed in seeds:
         chain = fits[seed] = []
@@ -361,6 +368,8 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
             chain.append(make(_SHARED_FIT, seed, overrides, ["fit"], fit_dir, spec.base, None))
         dirs: dict[str, Path] = {}  # the folders of this seed's earlier fits
         for fit in spec.fits or []:
+            if needed is not None and fit.name not in needed:
+                continue
             fit_dir = out / "shared_fit" / fit.name / f"seed_{seed}"
             own_quick = (fit.quick or {}) if quick else {}
             overrides = {**spec.overrides, **fit.overrides, **extra, **own_quick}
@@ -382,9 +391,6 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
             )
             dirs[fit.name] = fit_dir
     runs = []
-    variants = spec.variants
-    if quick and spec.quick_variants is not None:
-        variants = [v for v in variants if v.name in spec.quick_variants]
     for variant in variants:
         for seed in seeds:
             run_dir = out / "runs" / file_name(variant.name) / f"seed_{seed}"
@@ -413,6 +419,30 @@ def _plan(spec: SweepSpec, out: Path, quick: bool) -> tuple[list[_Run], list[_Ru
                 )
             )
     return [fit for seed in seeds for fit in fits[seed]], runs
+
+
+def _folders_named(value: Any) -> set[str | None]:
+    """The fit names of the ``{fit_dir:NAME}`` in ``value``'s strings (``None``: ``{fit_dir}``)."""
+    if isinstance(value, str):
+        return {match[1] for match in _FIT_DIR.finditer(value)}
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return set().union(*(_folders_named(item) for item in items))
+
+
+def _fits_needed(spec: SweepSpec, variants: list[Variant]) -> set[str]:
+    """The fits of ``spec.fits`` that ``variants`` use: the fits whose folders they (or the spec's
+    ``overrides`` and ``quick``) name, ``{fit_dir}`` standing for the last fit, and in turn the
+    fits those name (a fit names only earlier ones)."""
+    fits = spec.fits or []
+    wanted = _folders_named([spec.overrides, spec.quick or {}])
+    for variant in variants:
+        wanted |= _folders_named([variant.overrides, variant.stage_overrides])
+    if None in wanted and fits:
+        wanted.add(fits[-1].name)
+    for fit in reversed(fits):
+        if fit.name in wanted:
+            wanted |= _folders_named([fit.overrides, fit.quick or {}])
+    return {name for name in wanted if name is not None}
 
 
 def _with_folders(

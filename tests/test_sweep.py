@@ -807,6 +807,25 @@ def test_fits_variants_may_fine_tune_from_a_fit(tmp_path):
     assert f"--ckpt_path={run.run_dir}/checkpoints/last.ckpt" in test_args
 
 
+@pytest.mark.parametrize(
+    ("quick_variants", "expected"),
+    [("[va]", ["a", "c"]), ("[vb]", ["b"]), ("[vlast]", ["a", "c"]), ("[va, vb]", ["a", "b", "c"])],
+)
+def test_a_quick_profile_runs_only_the_fits_its_variants_need(tmp_path, quick_variants, expected):
+    text = (
+        "fits: [{name: a}, {name: b}, {name: c, overrides: {w: '{fit_dir:a}/x'}}]\n"
+        "variants: [{name: va, overrides: {w: '{fit_dir:c}/y'}},"
+        " {name: vb, overrides: {w: '{fit_dir:b}/y'}}, {name: vlast, overrides: {w: '{fit_dir}'}}]\n"
+        f"quick: {{}}\nquick_variants: {quick_variants}\n"
+    )
+    spec = SweepSpec.from_yaml(write_spec(tmp_path, text))
+    fits, runs = sweep._plan(spec, tmp_path / "out", quick=True)
+    assert [fit.fit_name for fit in fits] == expected
+    assert all(run.depends_on == tuple(fits) for run in runs)
+    full, _ = sweep._plan(spec, tmp_path / "out", quick=False)
+    assert [fit.fit_name for fit in full] == ["a", "b", "c"]
+
+
 def test_fits_spec_defaults():
     spec = SweepSpec.from_yaml(FITS)
     assert spec.shared_fit is None and spec.stages == ["test"]
