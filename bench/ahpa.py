@@ -104,8 +104,8 @@ def _variant_curves(sweep: Path) -> dict[str, list[dict[str, list[tuple[int, flo
     return found
 
 
-def premise(sweep: Path) -> list[dict]:
-    """The long vanilla run's validation curve, as a table."""
+def premise(sweep: Path, out: Path) -> list[dict]:
+    """The long vanilla run's validation curve, as a table and ``premise.png``."""
     rows = []
     for variant, seeds in _variant_curves(sweep).items():
         for seed, curves in enumerate(seeds):
@@ -122,6 +122,17 @@ def premise(sweep: Path) -> list[dict]:
             f"| {row['variant']} | {row['seed']} | {row['step']} | {row['val/fd']:.4g} | "
             f"{row['val/class_acc']:.3f} | {row['val/flow_loss']:.4f} |"
         )
+    fig, axes = plt.subplots(1, len(CURVE_METRICS), figsize=(5 * len(CURVE_METRICS), 3.4))
+    for ax, metric in zip(axes, CURVE_METRICS, strict=True):
+        for key in sorted({(r["variant"], r["seed"]) for r in rows}):
+            points = [(r["step"], r[metric]) for r in rows if (r["variant"], r["seed"]) == key]
+            ax.plot(*zip(*points, strict=True), marker=".", label=f"{key[0]} seed {key[1]}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out / "premise.png", dpi=110)
+    plt.close(fig)
     return rows
 
 
@@ -163,12 +174,14 @@ def compare(sweep: Path, out: Path) -> list[dict]:
 
 def _plot_router(sweep: Path, out: Path) -> None:
     records = sorted((sweep / "runs").glob("*/seed_*/**/router.json"))
-    if not records:
-        return
     by_variant: dict[str, list[dict]] = {}
     for path in records:
         variant = path.relative_to(sweep / "runs").parts[0]
-        by_variant.setdefault(variant, []).append(json.loads(path.read_text()))
+        record = json.loads(path.read_text())
+        if len(record["levels"]) > 1:  # one level's weight is always 1
+            by_variant.setdefault(variant, []).append(record)
+    if not by_variant:
+        return
     fig, axes = plt.subplots(
         1, len(by_variant), figsize=(4.5 * len(by_variant), 3.4), squeeze=False
     )
@@ -215,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     record = {"floors": floors(256 if args.quick else 1024)}
     if args.premise is not None:
-        record["premise"] = premise(args.premise)
+        record["premise"] = premise(args.premise, args.out)
     if args.sweep is not None:
         record["comparison"] = compare(args.sweep, args.out)
     (args.out / "ahpa.json").write_text(json.dumps(record, indent=1))

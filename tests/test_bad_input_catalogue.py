@@ -30,6 +30,7 @@ from ada_modules.data.consolidation import ConsolidationSimulator
 from ada_modules.data.consolidation_logs import collect_logs
 from ada_modules.data.mazes import generate_maze
 from ada_modules.data.pde import PDEDataModule, solve_pde
+from ada_modules.data.shapes import generate_shapes
 from ada_modules.data.sudoku import generate_sudoku
 from ada_modules.errors import InputError
 from ada_modules.fl import aggregate
@@ -45,8 +46,11 @@ from ada_modules.kv import (
 )
 from ada_modules.merging import ActivationStats, amaris
 from ada_modules.models import ADKVCalibrationModule, CausalLMModule, SelfDistillationModule
+from ada_modules.models.autoencoder import load_autoencoder
 from ada_modules.models.causal_lm import build_causal_lm
+from ada_modules.models.dit import DiTModule
 from ada_modules.nn import MultiStreamResidual, NeuralCellularAutomaton, wrap_timm
+from ada_modules.nn.ahpa import HierarchicalPriorAligner
 from ada_modules.offline_rl import plackett_luce_log_likelihood
 from ada_modules.optim import AcceleGradSharp, OptimizerChain, Scion
 from ada_modules.optim.param_groups import check_param_coverage
@@ -69,6 +73,7 @@ AMARIS = "cli_configs/amaris/merge.yaml"
 RELIABILITY = "cli_configs/reliability/study.yaml"
 AOT_POT = "cli_configs/aot_pot/pretrain.yaml"
 ANCA_MAZE = "cli_configs/anca/maze.yaml"
+AHPA_DIT = "cli_configs/ahpa/dit.yaml"
 AVSD = "cli_configs/avsd/sorting.yaml"
 ASAP_DIGITS = "cli_configs/asap/digits.yaml"
 ASAP_TINY = ["--trainer.logger=false", "--data.init_args.rounds=2"]
@@ -165,6 +170,19 @@ def _raises(build: Callable[[Path], object]) -> Callable[[Path], tuple[str, str]
         return str(error.value).replace(str(tmp), "TMP"), "raises InputError"
 
     return run
+
+
+def _ahpa_grid_mismatch(tmp: Path) -> object:
+    """An aligner told the DiT has a 8x8 token grid, on a DiT whose grid is 4x4."""
+    module = DiTModule(num_layers=2, num_attention_heads=2, attention_head_dim=16, num_samples=0)
+    aligner = HierarchicalPriorAligner(
+        module.vae, module.dit.transformer_blocks, ["encoder.mid_block"], [64], block_index=1,
+        hidden_size=32, token_grid=(8, 8),
+    )  # fmt: skip
+    images, labels = generate_shapes(2, seed=0)
+    z = module.encode(images)
+    module.dit(z, timestep=torch.tensor([1.0, 2.0]), class_labels=labels)
+    return aligner.loss(torch.rand(2))
 
 
 def _warns(build: Callable[[Path], object]) -> Callable[[Path], tuple[str, str]]:
@@ -619,6 +637,42 @@ CASES = [
         "anca",
         "`NeuralCellularAutomaton(in_channels=3, out_channels=2)(x)` with 4-channel `x`",
         _raises(lambda tmp: NeuralCellularAutomaton(3, 2)(torch.zeros(1, 4, 9, 9), steps=2)),
+    ),
+    Case(
+        "ahpa",
+        "`ada fit -c cli_configs/ahpa/dit.yaml --model.init_args.alignment "
+        "'{levels: [encoder.down_blocks.7], block_index: 1}'`",
+        _cli(
+            [
+                "fit",
+                "-c",
+                AHPA_DIT,
+                "--model.init_args.alignment={levels: [encoder.down_blocks.7], block_index: 1}",
+            ]
+        ),
+    ),  # fmt: skip
+    Case(
+        "ahpa",
+        "`ada fit -c cli_configs/ahpa/dit.yaml --model.init_args.alignment "
+        "'{levels: [encoder.mid_block], block_index: 6}'` (6 blocks)",
+        _cli(
+            [
+                "fit",
+                "-c",
+                AHPA_DIT,
+                "--model.init_args.alignment={levels: [encoder.mid_block], block_index: 6}",
+            ]
+        ),
+    ),  # fmt: skip
+    Case(
+        "ahpa",
+        "`HierarchicalPriorAligner(..., token_grid=(8, 8))` on a DiT with a 4x4 token grid",
+        _raises(_ahpa_grid_mismatch),
+    ),
+    Case(
+        "ahpa",
+        "`load_autoencoder('missing.pt')`",
+        _raises(lambda tmp: load_autoencoder(tmp / "missing.pt")),
     ),
     Case(
         "avsd",

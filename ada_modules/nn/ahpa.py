@@ -241,13 +241,15 @@ class HierarchicalPriorAligner(nn.Module):
     @classmethod
     def check_levels(cls, vae: nn.Module, levels: Sequence[str]) -> None:
         """Raise :class:`InputError` naming the first level that is not a submodule of ``vae``."""
-        names = {name for name, _ in vae.named_modules()}
+        names = [name for name, _ in vae.named_modules() if name]
         for level in levels:
             if level != LATENT and level not in names:
-                hookable = sorted(n for n in names if n.count(".") <= 2 and n)
+                # the encoder's blocks when it has one (diffusers: encoder.down_blocks.i, ...)
+                shallow = [n for n in names if n.count(".") <= 2]
+                hint = [n for n in shallow if n.startswith("encoder.")] or shallow
                 raise InputError(
-                    f"level {level!r} is not a submodule of the VAE; some that are: "
-                    f"{', '.join(hookable[:12])}"
+                    f"level {level!r} is not a submodule of the VAE; '{LATENT}' or one of: "
+                    f"{', '.join(hint[:10])}"
                 )
 
     def _target_hook(self, name: str) -> Any:
