@@ -109,7 +109,8 @@ class HierarchicalPriorAligner(nn.Module):
         ...     level_channels=[8, 16], block_index=0, hidden_size=32, token_grid=(4, 4))
         >>> with torch.no_grad():
         ...     _ = vae(torch.randn(2, 3, 16, 16))  # the hooks catch both levels
-        >>> _ = blocks[0](torch.randn(2, 16, 32))  # and the block's tokens
+        >>> aligned_block = blocks[0]
+        >>> _ = aligned_block(torch.randn(2, 16, 32))  # and the block's tokens
         >>> loss, stats = aligner.loss(torch.tensor([0.2, 0.8]))
         >>> loss.shape, sorted(stats)
         (torch.Size([]), ['align/loss_0', 'align/loss_1', 'align/router_entropy'])
