@@ -1,4 +1,4 @@
-"""AMARIS on CPU: merge cost, the Pareto fronts of a repro sweep, and the budget on held-out data.
+"""AMARIS on CPU: merge cost, the Pareto fronts of the repro sweeps, and the held-out budget.
 
 What is measured (issue 22):
 
@@ -20,11 +20,16 @@ What is measured (issue 22):
    and on held-out core data (the test split), and the core and specialist retention. The merge
    meets its budget on the calibration statistics by construction; the held-out column shows how
    far that carries to new inputs, and what a ridge buys.
+4. **Tiny language model** (``--lm-sweep DIR``, a finished
+   ``ada sweep cli_configs/amaris/repro_lm.yaml``): the premise table (the base and each
+   specialist on every domain) and the Pareto fronts and matched-core table of section 2, as
+   ``amaris_lm_pareto.png``.
 
 Run it::
 
     .venv/bin/python bench/amaris.py --quick                          # merge cost only, ~10 s
     .venv/bin/python bench/amaris.py --sweep sweeps/amaris --out docs/techniques/img/amaris
+    .venv/bin/python bench/amaris.py --lm-sweep sweeps/amaris_lm --out docs/techniques/img/amaris
 
 Reports only; no assertion.
 """
@@ -53,9 +58,12 @@ CORE = "identity"
 BUDGETS = (0.002, 0.005, 0.01, 0.02, 0.05)
 RIDGES = (1e-6, 1e-3, 1e-2, 1e-1)
 THRESHOLDS = (0.95, 0.97, 0.99)
+LM_THRESHOLDS = (0.5, 0.7, 0.9)  # no merge keeps 95 % of the tiny LM's core task
 # method families of the repro's variant names `<specialist>_<family>_<setting>` (dare_ties before
 # ties: the first that matches wins)
 FAMILIES = ("task_arithmetic", "dare_ties", "ties", "dare_linear", "regmean", "fisher", "amaris")
+# AMARIS with embeddings and norms kept at the base's (variant names ending in `_other_base`)
+OTHER_BASE = "amaris_other_base"
 
 
 def _median_s(fn, *args, repeats: int = 3, **kwargs) -> float:
@@ -109,17 +117,24 @@ def _family(variant: str) -> tuple[str, str] | None:
     for family in FAMILIES:
         marker = f"_{family}"
         if marker in variant:
-            return variant.split(marker)[0], family
+            specialist = variant.split(marker)[0]
+            return specialist, OTHER_BASE if variant.endswith("_other_base") else family
     return None
 
 
 def _panel_order(specialist: str) -> tuple[int, str]:
-    """The repro's panels first (rot90, flip_ud, both), then any others by name."""
-    order = ("rot90", "flip_ud", "both")
+    """The repros' panels first (rot90, flip_ud / lower, upper, then both), then any others."""
+    order = ("rot90", "flip_ud", "lower", "upper", "both")
     return (order.index(specialist) if specialist in order else len(order)), specialist
 
 
-def pareto(sweep: Path, out: Path | None) -> dict:
+def pareto(
+    sweep: Path,
+    out: Path | None,
+    plot: str = "amaris_pareto.png",
+    core: str = CORE,
+    thresholds: tuple[float, ...] = THRESHOLDS,
+) -> dict:
     """Section 2: Pareto fronts and best specialist retention at matched core retention."""
     results = json.loads((sweep / "results.json").read_text())
     points: dict[str, dict] = defaultdict(lambda: {"core": [], "specialist": []})
@@ -139,30 +154,33 @@ def pareto(sweep: Path, out: Path | None) -> dict:
         for name, p in points.items()
     }
     specialists = sorted({f[0] for name in summary if (f := _family(name))}, key=_panel_order)
-    print("\n## 2. Best specialist retention at matched core retention (mean over seeds)\n")
-    print("| specialist | method | " + " | ".join(f"core ≥ {t}" for t in THRESHOLDS) + " |")
-    print("|---|---|" + "---|" * len(THRESHOLDS))
+    print(f"\n## 2. Best specialist retention at matched core retention ({sweep.name}, mean)\n")
+    print("| specialist | method | " + " | ".join(f"core ≥ {t}" for t in thresholds) + " |")
+    print("|---|---|" + "---|" * len(thresholds))
     best: dict = {}
     for specialist in specialists:
-        for family in FAMILIES:
+        for family in (*FAMILIES, OTHER_BASE):
             settings = [
                 (name, s) for name, s in summary.items() if _family(name) == (specialist, family)
             ]
             if not settings:
                 continue
             cells = []
-            for threshold in THRESHOLDS:
+            for threshold in thresholds:
                 ok = [(s["specialist"], name) for name, s in settings if s["core"] >= threshold]
                 value, name = max(ok) if ok else (None, None)
                 best[f"{specialist}/{family}/{threshold}"] = {"value": value, "variant": name}
-                cells.append("–" if value is None else f"{value:.3f} ({name.split('_')[-1]})")
+                marker = "_amaris" if family == OTHER_BASE else f"_{family}"
+                setting = name.split(marker)[-1].removesuffix("_other_base") if name else ""
+                setting = setting.lstrip("_")
+                cells.append("–" if value is None else f"{value:.3f} ({setting or family})")
             print(f"| {specialist} | {family} | " + " | ".join(cells) + " |")
     if out is not None:
-        _plot_pareto(summary, specialists, out / "amaris_pareto.png")
+        _plot_pareto(summary, specialists, out / plot, core)
     return {"points": summary, "best_at_core": best}
 
 
-def _plot_pareto(summary: dict, specialists: list[str], path: Path) -> None:
+def _plot_pareto(summary: dict, specialists: list[str], path: Path, core: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,6 +194,7 @@ def _plot_pareto(summary: dict, specialists: list[str], path: Path) -> None:
         "regmean": ("tab:green", "^"),
         "fisher": ("tab:brown", "v"),
         "amaris": ("tab:red", "*-"),
+        OTHER_BASE: ("tab:red", "x"),
     }
     fig, axes = plt.subplots(1, len(specialists), figsize=(5.2 * len(specialists), 4.2))
     for ax, specialist in zip([axes] if len(specialists) == 1 else axes, specialists, strict=True):
@@ -195,15 +214,15 @@ def _plot_pareto(summary: dict, specialists: list[str], path: Path) -> None:
                 yerr=yerr,
                 fmt=style,
                 color=color,
-                label=family,
+                label="amaris, other: base" if family == OTHER_BASE else family,
                 markersize=7 if family == "amaris" else 5,
                 capsize=2,
                 linewidth=1,
             )
-        if "base" in summary and specialist == "rot90":
+        if "base" in summary and specialist == specialists[0]:
             base = summary["base"]
             ax.plot([base["core"]], [base["specialist"]], "kx", label="base (no merge)")
-        ax.set_xlabel("core retention (merged / base on identity)")
+        ax.set_xlabel(f"core retention (merged / base on {core})")
         if specialist == "both":
             ax.set_ylabel("specialist retention (mean over both specialists)")
             ax.set_title("both specialists merged at once")
@@ -308,20 +327,62 @@ def budget_study(sweep: Path) -> list[dict]:
     return table
 
 
+def lm_premise(sweep: Path) -> list[dict]:
+    """Section 3's premise: the base and each specialist (task arithmetic at weight 1) on every
+    domain of the LM repro, mean ± std over its seeds."""
+    results = json.loads((sweep / "results.json").read_text())
+    models = {"base": "base", "lower specialist": "lower_task_arithmetic_w1.0"}
+    models["upper specialist"] = "upper_task_arithmetic_w1.0"
+    domains = ("addition", "lower", "upper")
+    print("\n## 4. Tiny LM premise: exact match per domain (mean ± std over seeds)\n")
+    print("| model | " + " | ".join(domains) + " | core retention | seeds |")
+    print("|---|" + "---|" * (len(domains) + 2))
+    rows = []
+    for label, variant in models.items():
+        runs = [
+            r["metrics"] for r in results["runs"] if r["variant"] == variant and r["status"] == "ok"
+        ]
+        if not runs:
+            continue
+        row = {"model": label, "seeds": len(runs)}
+        for metric in (*(f"test/{d}/accuracy" for d in domains), "test/core_retention"):
+            values = [r[metric] for r in runs]
+            row[metric] = _mean_std(values)
+        rows.append(row)
+        cells = [f"{m:.3f} ± {s:.3f}" for m, s in list(row.values())[2:]]
+        print(f"| {label} | " + " | ".join(cells) + f" | {len(runs)} |")
+    return rows
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="layer sizes up to 256 only")
     parser.add_argument("--sweep", type=Path, default=None, help="a finished repro sweep folder")
+    parser.add_argument(
+        "--lm-sweep", type=Path, default=None, help="a finished repro_lm sweep folder"
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for amaris.json and plots")
     args = parser.parse_args()
     result = {"cost": merge_cost([64, 128, 256] if args.quick else [64, 128, 256, 512, 1024])}
     if args.sweep is not None:
         result["pareto"] = pareto(args.sweep, args.out)
         result["budget"] = budget_study(args.sweep)
+    if args.lm_sweep is not None:
+        result["lm"] = {
+            "premise": lm_premise(args.lm_sweep),
+            "pareto": pareto(
+                args.lm_sweep, args.out, "amaris_lm_pareto.png", "addition", LM_THRESHOLDS
+            ),
+        }
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "amaris.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out / 'amaris.json'}")
+        name = "amaris_lm.json" if args.sweep is None and args.lm_sweep else "amaris.json"
+        (args.out / name).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out / name}")
 
 
 if __name__ == "__main__":

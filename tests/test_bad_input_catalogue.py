@@ -494,6 +494,11 @@ CASES = [
     ),
     Case(
         "data",
+        '`ArithmeticDataModule(numerals="abc")`',
+        _raises(lambda tmp: ArithmeticDataModule(numerals="abc")),
+    ),
+    Case(
+        "data",
         "`RecallDataModule(num_pairs=0)`",
         _raises(lambda tmp: RecallDataModule(num_pairs=0)),
     ),

@@ -3,6 +3,7 @@
 import random
 
 from ada_modules.data.sequence_task import SequenceExample, SequenceTaskDataModule
+from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.errors import InputError
 
 __all__ = ["ArithmeticDataModule", "addition_scratchpad"]
@@ -42,9 +43,16 @@ class ArithmeticDataModule(SequenceTaskDataModule):
     number of digits drawn uniformly from ``min_digits..max_digits``. :meth:`reward` checks only the
     final answer after ``>``. Each batch has a ``digits`` tensor (the number of scratchpad steps).
 
+    ``numerals`` writes the prompt's digits with other characters while the scratchpad and the
+    answer stay in digits: the same task read from input tokens of its own (a shifted input
+    domain for merging studies, as rotated images are for classifiers).
+
     Args:
         min_digits: Fewest digits of an operand.
         max_digits: Most digits of an operand.
+        numerals: The ten characters written for the digits 0-9 in the prompt, in order
+            (``"abcdefghij"`` writes the prompt ``57+8=`` as ``fh+i=``). Distinct characters of the tokenizer's vocabulary,
+            none of ``+=,>``.
         seed: Seed of the three example streams; equal seeds give equal data. ``None`` takes
             the seed of ``seed_everything`` (``PL_GLOBAL_SEED``; 0 when unset), so a sweep's
             seeds vary the data too.
@@ -63,12 +71,15 @@ class ArithmeticDataModule(SequenceTaskDataModule):
         >>> dm.setup("test")
         >>> dm.reward("4+1+0=5>5", "5")
         1.0
+        >>> ArithmeticDataModule(numerals="abcdefghij").make_example(random.Random(0)).prompt  # 63+4=
+        'gd+e='
     """
 
     def __init__(
         self,
         min_digits: int = 1,
         max_digits: int = 3,
+        numerals: str = "0123456789",
         seed: int | None = None,
         num_train: int = 10_000,
         num_val: int = 256,
@@ -92,8 +103,21 @@ class ArithmeticDataModule(SequenceTaskDataModule):
             raise InputError(
                 f"max_digits must be an integer in [min_digits={min_digits}, 32], got {max_digits!r}"
             )
+        vocabulary = set(CharTokenizer.characters) - set("+=,>")
+        if (
+            not isinstance(numerals, str)
+            or len(numerals) != 10
+            or len(set(numerals)) != 10
+            or not set(numerals) <= vocabulary
+        ):
+            raise InputError(
+                f"numerals must be 10 distinct characters of the tokenizer's vocabulary, none of "
+                f"'+=,>', got {numerals!r}"
+            )
         self.min_digits = min_digits
         self.max_digits = max_digits
+        self.numerals = numerals
+        self._write = str.maketrans("0123456789", numerals)
         self.save_hyperparameters()
 
     def _operand(self, rng: random.Random) -> int:
@@ -105,7 +129,7 @@ class ArithmeticDataModule(SequenceTaskDataModule):
         a, b = self._operand(rng), self._operand(rng)
         completion = addition_scratchpad(a, b)
         return SequenceExample(
-            prompt=f"{a}+{b}=",
+            prompt=f"{a}+{b}=".translate(self._write),
             completion=completion,
             answer=str(a + b),
             metadata={"digits": max(len(str(a)), len(str(b)))},

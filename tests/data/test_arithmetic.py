@@ -51,6 +51,26 @@ def test_batches_hold_consistent_problems():
     assert len(lengths) > 3, "completions should vary in length"
 
 
+def test_numerals_rewrite_only_the_prompt_of_the_same_problems():
+    plain = ArithmeticDataModule(num_train=32, num_val=8, num_test=32, seed=3)
+    letters = ArithmeticDataModule(
+        numerals="jihgfedcba", num_train=32, num_val=8, num_test=32, seed=3
+    )
+    plain.setup("test"), letters.setup("test")
+    tok = CharTokenizer()
+    reads = str.maketrans("jihgfedcba", "0123456789")
+    plain_batch, letter_batch = (
+        next(iter(plain.test_dataloader())),
+        next(iter(letters.test_dataloader())),
+    )
+    for row, target in enumerate(letter_batch["targets"]):
+        prompt = tok.decode(letter_batch["prompt_ids"][row])
+        assert not any(ch.isdigit() for ch in prompt)
+        assert prompt.translate(reads) == tok.decode(plain_batch["prompt_ids"][row])
+        assert target == plain_batch["targets"][row]
+        assert letter_batch["answers"][row] == plain_batch["answers"][row]
+
+
 def test_reward_checks_only_the_final_answer():
     dm = ArithmeticDataModule()
     assert dm.reward("1+1+0=2>2", "2") == 1.0
@@ -92,6 +112,10 @@ def test_too_few_distinct_prompts_raises():
         ({"num_train": 0}, "num_train"),
         ({"num_workers": -1}, "num_workers"),
         ({"seed": 1.5}, "seed"),
+        ({"numerals": "abcdefghi"}, "numerals"),
+        ({"numerals": "aacdefghij"}, "numerals"),
+        ({"numerals": "abcdefgh+j"}, "numerals"),
+        ({"numerals": "abcdefghi\u00e9"}, "numerals"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, name):
