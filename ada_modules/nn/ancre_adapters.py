@@ -299,11 +299,12 @@ class ConnectivityWrapper:
         return wrap_hf_decoder(model, **self.router_kwargs)
 
 
-def mlp_blocks(width: int, depth: int, expansion: int = 1) -> list[nn.Module]:
+def mlp_blocks(width: int, depth: int, expansion: int = 1, norm: bool = True) -> list[nn.Module]:
     """``depth`` residual branches ``Linear(ReLU(Linear(LayerNorm(x))))`` of width ``width``.
 
     The blocks of the digits trunks (:class:`MLPResNet`, and ``MLPStreamNet`` of the
-    multi-stream adapters), so every layout there wraps the same branches.
+    multi-stream adapters), so every layout there wraps the same branches. ``norm=False`` drops
+    the ``LayerNorm``: ``Linear(ReLU(Linear(x)))``.
 
     Raises:
         ValueError: If ``width``, ``depth`` or ``expansion`` is below 1.
@@ -311,13 +312,15 @@ def mlp_blocks(width: int, depth: int, expansion: int = 1) -> list[nn.Module]:
     Examples:
         >>> len(mlp_blocks(8, depth=3))
         3
+        >>> mlp_blocks(8, depth=1, norm=False)[0][0]
+        Linear(in_features=8, out_features=8, bias=True)
     """
     for name, value in (("width", width), ("depth", depth), ("expansion", expansion)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive integer, got {value!r}")
     return [
         nn.Sequential(
-            nn.LayerNorm(width),
+            *([nn.LayerNorm(width)] if norm else []),
             nn.Linear(width, expansion * width),
             nn.ReLU(),
             nn.Linear(expansion * width, width),
@@ -338,6 +341,7 @@ class MLPResNet(ANCReStack):
         width: Input and output width.
         depth: Number of residual blocks.
         expansion: Hidden width of each block as a multiple of ``width``.
+        norm: Begin each branch with a ``LayerNorm`` (``False``: no normalisation anywhere).
         mode: Layout, see :class:`~ada_modules.nn.ancre.ConnectivityRouter`.
         temperature: Softmax temperature of the routing.
         final_temperature: If given, anneal the temperature to this value.
@@ -365,6 +369,7 @@ class MLPResNet(ANCReStack):
         width: int,
         depth: int = 16,
         expansion: int = 1,
+        norm: bool = True,
         mode: Mode = "residual",
         temperature: float = 1.0,
         final_temperature: float | None = None,
@@ -376,7 +381,7 @@ class MLPResNet(ANCReStack):
         prev_logit: float = 0.0,
         lr_scale: float = 1.0,
     ) -> None:
-        blocks = mlp_blocks(width, depth, expansion)
+        blocks = mlp_blocks(width, depth, expansion, norm)
         super().__init__(
             blocks,
             mode=mode,

@@ -472,6 +472,7 @@ class MLPStreamNet(MultiStreamStack):
         width: Input and output width.
         depth: Number of blocks.
         expansion: Hidden width of each block as a multiple of ``width``.
+        norm: Begin each branch with a ``LayerNorm`` (see :func:`mlp_blocks`).
         n_streams: Number of streams.
         kind: ``"hyper"`` (Hyper-Connections) or ``"mhc"`` (manifold-constrained).
         mixing: How ``"mhc"`` makes the mixing matrix doubly stochastic.
@@ -506,6 +507,7 @@ class MLPStreamNet(MultiStreamStack):
         width: int,
         depth: int = 16,
         expansion: int = 1,
+        norm: bool = True,
         n_streams: int = 4,
         kind: Kind = "mhc",
         mixing: Mixing = "sinkhorn",
@@ -515,7 +517,7 @@ class MLPStreamNet(MultiStreamStack):
         sinkhorn_iters: int = 20,
         disable: bool = False,
     ) -> None:
-        blocks = mlp_blocks(width, depth, expansion)
+        blocks = mlp_blocks(width, depth, expansion, norm)
         super().__init__(
             blocks,
             width,

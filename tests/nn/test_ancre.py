@@ -402,6 +402,18 @@ def test_parameter_overhead_is_quadratic_in_depth_only():
     assert extra / blocks < 0.01
 
 
+def test_an_unnormalised_trunk_is_the_plain_residual_mlp_at_init(seed):
+    trunk = MLPResNet(8, depth=3, norm=False, mode="source")
+    assert not any(isinstance(m, nn.LayerNorm) for m in trunk.modules())
+    x = torch.randn(4, 8)
+    y = x
+    for layer in trunk.layers:
+        first, _, second = layer.block
+        y = y + second(torch.relu(first(y)))
+    torch.testing.assert_close(trunk(x), y)
+    assert any(isinstance(m, nn.LayerNorm) for m in MLPResNet(8, depth=3).modules())
+
+
 def test_entropies_are_zero_for_one_hot_rows_and_positive_when_mixing(seed):
     stack = ANCReStack(_branches(3), mode="source", residual_in_block=False)
     assert torch.equal(stack.router.entropies(), torch.zeros(3))

@@ -269,6 +269,8 @@ def test_mlp_stream_net_is_the_residual_mlp_at_init(seed, kind):
     torch.testing.assert_close(net(x), y, rtol=1e-5, atol=1e-5)
     assert all(layer.geometry_role == "routing" for layer in net.layers)
     assert len(net.no_weight_decay()) == 20
+    unnormalised = MLPStreamNet(8, depth=2, norm=False, kind=kind)
+    assert not any(isinstance(m, nn.LayerNorm) for m in unnormalised.layers[0].branch)
     plain = MLPStreamNet(8, depth=5, disable=True)
     assert plain.n_streams == 1 and plain.no_weight_decay() == set()
     with pytest.raises(InputError, match="depth"):
