@@ -19,7 +19,11 @@
    entropy against sampled tokens, mean over seeds with a 95% t-interval band
    (``aem_success_curve.png``, ``aem_entropy_curve.png`` in ``--out``), and prints, from its
    ``results.json``, each metric's mean with a 95% t-interval per variant and the paired
-   difference to GRPO (same seed, hence the same warm start) with its 95% t-interval.
+   difference to GRPO (same seed, hence the same warm start) with its 95% t-interval. Before
+   both, the **premise table**: per variant, the training success of the first and last third
+   of the RL steps, the sampled tokens at which its 5-step moving average first reaches 50%
+   (the point where the ``balance`` schedule turns to exploiting), and the response entropy of
+   the first and last third with its relative drop.
 
 Reports only; no assertion on the numbers. Writes ``aem.json`` to ``--out``.
 """
@@ -163,12 +167,17 @@ def _read_runs(sweep: Path) -> dict[str, list[dict[str, list[tuple[float, float]
     runs: dict[str, list] = defaultdict(list)
     for metrics_csv in sorted(sweep.glob("runs/*/seed_*/**/metrics.csv")):
         run_dir = sweep / "runs" / Path(*metrics_csv.relative_to(sweep / "runs").parts[:2])
-        series: dict[str, list[tuple[float, float]]] = {"success": [], "entropy": []}
+        series: dict[str, list[tuple[float, float]]] = {
+            "success": [],
+            "entropy": [],
+            "train_success": [],
+        }
         with metrics_csv.open() as f:
             for row in csv.DictReader(f):
                 if row.get("train/sampled_tokens") and row.get("train/response_entropy"):
                     tokens = float(row["train/sampled_tokens"])
                     series["entropy"].append((tokens, float(row["train/response_entropy"])))
+                    series["train_success"].append((tokens, float(row["train/success"])))
         checkpoint = run_dir / "checkpoints" / "last.ckpt"
         if checkpoint.is_file():
             progress = torch.load(checkpoint, map_location="cpu", weights_only=False)
@@ -213,6 +222,55 @@ def _ci(values: list[float]) -> str:
         return f"{values[0]:.3g}" if values else "–"
     half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
     return f"{statistics.mean(values):.3g} ± {half:.2g}"
+
+
+def _thirds(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Mean value over the first and over the last third of a per-step series."""
+    third = max(1, len(points) // 3)
+    return (
+        statistics.mean(v for _, v in points[:third]),
+        statistics.mean(v for _, v in points[-third:]),
+    )
+
+
+def _crossing(points: list[tuple[float, float]], level: float = 0.5, window: int = 5) -> float:
+    """Sampled tokens at which the ``window``-step moving mean first reaches ``level`` (nan: never)."""
+    for i in range(window, len(points) + 1):
+        if statistics.mean(v for _, v in points[i - window : i]) >= level:
+            return points[i - 1][0]
+    return math.nan
+
+
+def premise_table(sweep: Path, results: dict) -> None:
+    """Does the run reach the regime AEM's schedule is about: success past 50%, entropy falling?"""
+    runs = _read_runs(sweep)
+    print("\n## Premise: training success and response entropy (mean ± std over seeds)\n")
+    print(
+        "| variant | seeds | train success, first third | last third | tokens to 50% "
+        "(5-step mean; runs that got there) | entropy, first third | last third | drop |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for variant, seeds in sorted(runs.items()):
+        seeds = [s for s in seeds if s["train_success"]]
+        if not seeds:
+            continue
+        success = [_thirds(s["train_success"]) for s in seeds]
+        entropy = [_thirds(s["entropy"]) for s in seeds]
+        crossings = [_crossing(s["train_success"]) for s in seeds]
+        reached = [c for c in crossings if not math.isnan(c)]
+        drops = [1 - late / early for early, late in entropy]
+        print(
+            f"| {variant} | {len(seeds)} | {mean_std([a for a, _ in success])} "
+            f"| {mean_std([b for _, b in success])} "
+            f"| {mean_std(reached) if reached else '–'} ({len(reached)}/{len(seeds)}) "
+            f"| {mean_std([a for a, _ in entropy])} | {mean_std([b for _, b in entropy])} "
+            f"| {mean_std([100 * d for d in drops])} % |"
+        )
+        results["premise"][variant] = {
+            "train_success_thirds": success,
+            "tokens_to_half": crossings,
+            "entropy_thirds": entropy,
+        }
 
 
 def paired_table(sweep: Path, results: dict) -> None:
@@ -296,12 +354,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"theory": [], "modulation": [], "curves": {}, "paired": {}}
+    results: dict = {"theory": [], "modulation": [], "curves": {}, "paired": {}, "premise": {}}
     start = time.perf_counter()
     seeds = [0] if args.quick else [0, 1, 2]
     theory_check(500 if args.quick else 2000, seeds, results)
     cost(results, 200 if args.quick else 2000)
     if args.curves is not None:
+        premise_table(args.curves, results)
         curves(args.curves, args.out, results)
         paired_table(args.curves, results)
     print(f"\nelapsed: {time.perf_counter() - start:.1f} s")
