@@ -18,16 +18,18 @@ Columns: steps until the training MSE first falls below ``threshold`` times its 
 the ratio to ``residual`` (per seed, then mean ± std), the final loss, extra parameters in percent,
 and the time per step relative to ``residual``. Mean ± std over seeds 0, 1, 2 (quick: seed 0).
 
-Then the overhead of each layout on the models of reproductions (b) and (c): extra parameters
-(% of the model) and forward+backward time (% over residual, layouts interleaved, median of 15
-rounds of 5 passes).
+Then the overhead of each layout on the models of reproductions (b) and (c), and on a wide trunk
+(24 blocks of width 512, the GPU benchmark's shape; ``--overhead`` runs only this table): extra
+parameters (% of the model) and forward+backward time (% over residual, layouts interleaved,
+median of 15 rounds of 5 passes).
 
 ``--curves DIR [DIR ...]`` instead reads finished ``ada sweep`` folders (the CSV logs of each
 run), prints, per variant, the steps until ``--metric`` first reaches ``--curve-threshold``
 (default: the ``residual`` variant's mean final value, i.e. the steps to reach the baseline's final
-quality) and its final value (mean ± std over seeds), and plots the mean curve per variant to
-``--out/<sweep>_curve.png``. ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual``
-(mean over seeds) of the ``--variant`` runs' final checkpoints (default ``ancre_source``; give
+quality), its final value and the median of its second half (mean ± std over seeds), and plots
+the mean curve per variant to ``--out/<sweep>_curve.png`` (``--variants`` restricts both to the
+variants named). ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual`` (mean over
+seeds) of the ``--variant`` runs' final checkpoints (default ``ancre_source``; give
 ``--lr-scale`` for a variant trained with one) to ``--out/connectivity_<variant>.png``.
 
 Runs on one thread. Writes ``ancre.json`` (and ``deep_linear.png``, the loss curves of seed 0) to
@@ -180,13 +182,20 @@ def run_deep_linear(args: argparse.Namespace, seeds: list[int]) -> list[dict]:
     return records
 
 
-def _overhead_models(mode: str) -> dict[str, tuple[nn.Module, Callable[[nn.Module], Tensor]]]:
+def _overhead_models(
+    mode: str, quick: bool
+) -> dict[str, tuple[nn.Module, Callable[[nn.Module], Tensor]]]:
     from ada_modules.models import CausalLMModule
     from ada_modules.nn import ConnectivityWrapper
 
     torch.manual_seed(0)
     trunk = MLPResNet(64, depth=16, mode=mode)
     images = torch.randn(64, 64)
+    # The GPU benchmark's trunk shape (24 blocks, width 512) with transformer-sized branches
+    # (expansion 4): wide enough that each routed sum is one large vector operation.
+    wide = MLPResNet(512, depth=24, expansion=4, mode=mode)
+    wide_rows = 32 if quick else 256
+    tokens = torch.randn(wide_rows, 512)
     lm = CausalLMModule(
         hidden_size=32,
         num_layers=8,
@@ -205,17 +214,21 @@ def _overhead_models(mode: str) -> dict[str, tuple[nn.Module, Callable[[nn.Modul
             lm,
             lambda m: m(input_ids=ids, labels=ids).loss,
         ),
+        f"wide MLP-ResNet trunk (24 blocks, width 512, expansion 4, batch {wide_rows})": (
+            wide,
+            lambda m: m(tokens).square().mean(),
+        ),
     }
 
 
-def run_overhead(rounds: int) -> list[dict]:
+def run_overhead(rounds: int, quick: bool) -> list[dict]:
     """Extra parameters and forward+backward time of each layout against residual.
 
     The layouts are timed in interleaved rounds (A, B, C, D, A, B, ...) on the same inputs; the
     median over rounds of the per-round time is reported.
     """
     modes = ("residual", "rezero", "denseformer", "source")
-    built = {mode: _overhead_models(mode) for mode in modes}
+    built = {mode: _overhead_models(mode, quick) for mode in modes}
     records = []
     print("\n### Overhead: forward+backward time and parameters vs residual (1 thread)\n")
     print("| model | layout | extra params | extra params % | median ms | time overhead % |")
@@ -278,14 +291,18 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                 _read_curve(seed_dir, args.metric)
                 for seed_dir in sorted(variant_dir.glob("seed_*"))
             ]
-            if any(found):
+            wanted = not args.variants or variant_dir.name in args.variants
+            if wanted and any(found):
                 curves[variant_dir.name] = [c for c in found if c]
         threshold = args.curve_threshold
         if threshold is None:
             threshold = statistics.mean(c[-1][1] for c in curves["residual"])
         print(f"\n### {folder.name}: {args.metric}, threshold {threshold:.4g}\n")
-        print(f"| variant | seeds | steps to {args.metric} <= {threshold:.4g} (per seed) | final |")
-        print("|---|---|---|---|")
+        print(
+            f"| variant | seeds | steps to {args.metric} <= {threshold:.4g} (per seed) | final "
+            "| median over the second half |"
+        )
+        print("|---|---|---|---|---|")
         fig, ax = plt.subplots(figsize=(6, 4))
         for variant, runs_curves in curves.items():
             # Lightning logs the validation after step n at step n - 1.
@@ -295,7 +312,12 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                 for h, c in zip(hits, runs_curves, strict=True)
             ]
             finals = [c[-1][1] for c in runs_curves]
-            print(f"| {variant} | {len(runs_curves)} | {', '.join(label)} | {_fmt(finals, 4)} |")
+            # A noisy curve's level: the median of its points after half of its steps.
+            late = [statistics.median(v for s, v in c if s >= c[-1][0] / 2) for c in runs_curves]
+            print(
+                f"| {variant} | {len(runs_curves)} | {', '.join(label)} | {_fmt(finals, 4)} "
+                f"| {_fmt(late, 4)} |"
+            )
             steps = sorted({s for c in runs_curves for s, _ in c})
             mean = [statistics.mean(dict(c).get(s, math.nan) for c in runs_curves) for s in steps]
             ax.plot([s + 1 for s in steps], mean, marker=".", label=variant)
@@ -306,6 +328,7 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                     "threshold": threshold,
                     "hits": hits,
                     "final": finals,
+                    "second_half_median": late,
                 }
             )
         ax.set_xlabel("step")
@@ -365,6 +388,8 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=3.0, help="A = scale * G / sqrt(d)")
     parser.add_argument("--curves", nargs="*", default=None, help="sweep folders to read")
     parser.add_argument("--metric", default="val/loss")
+    parser.add_argument("--variants", nargs="*", default=None, help="with --curves: only these")
+    parser.add_argument("--overhead", action="store_true", help="only the overhead table")
     parser.add_argument("--variant", default="ancre_source", help="with --connectivity")
     parser.add_argument("--lr-scale", type=float, default=1.0, help="the variant's lr_scale")
     parser.add_argument(
@@ -382,6 +407,8 @@ def main() -> None:
         return
     if args.curves:
         results = run_curves(args)
+    elif args.overhead:
+        results = run_overhead(rounds=3 if args.quick else 15, quick=args.quick)
     else:
         if args.quick:
             args.depth, args.steps = 16, 300
@@ -389,7 +416,7 @@ def main() -> None:
         results = run_deep_linear(args, seeds)
         for record in results:
             record["curve"] = record["curve"][:: max(1, len(record["curve"]) // 200)]
-        results += run_overhead(rounds=3 if args.quick else 15)
+        results += run_overhead(rounds=3 if args.quick else 15, quick=args.quick)
     (args.out / "ancre.json").write_text(json.dumps({"results": results}, indent=1))
     print(f"\nelapsed {time.perf_counter() - start:.1f} s")
 
