@@ -307,7 +307,8 @@ def mlp_blocks(width: int, depth: int, expansion: int = 1, norm: bool = True) ->
     the ``LayerNorm``: ``Linear(ReLU(Linear(x)))``.
 
     Raises:
-        ValueError: If ``width``, ``depth`` or ``expansion`` is below 1.
+        ValueError: If ``width``, ``depth`` or ``expansion`` is below 1, or ``norm`` is not a
+            bool.
 
     Examples:
         >>> len(mlp_blocks(8, depth=3))
@@ -318,6 +319,8 @@ def mlp_blocks(width: int, depth: int, expansion: int = 1, norm: bool = True) ->
     for name, value in (("width", width), ("depth", depth), ("expansion", expansion)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(norm, bool):
+        raise InputError(f"norm must be True or False, got {norm!r}")
     return [
         nn.Sequential(
             *([nn.LayerNorm(width)] if norm else []),

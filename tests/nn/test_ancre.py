@@ -412,6 +412,8 @@ def test_an_unnormalised_trunk_is_the_plain_residual_mlp_at_init(seed):
         y = y + second(torch.relu(first(y)))
     torch.testing.assert_close(trunk(x), y)
     assert any(isinstance(m, nn.LayerNorm) for m in MLPResNet(8, depth=3).modules())
+    with pytest.raises(ValueError, match="norm must be True or False, got 'no'"):
+        MLPResNet(8, depth=3, norm="no")
 
 
 def test_entropies_are_zero_for_one_hot_rows_and_positive_when_mixing(seed):
