@@ -296,6 +296,10 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                 curves[variant_dir.name] = [c for c in found if c]
         threshold = args.curve_threshold
         if threshold is None:
+            if "residual" not in curves:
+                raise SystemExit(
+                    "--curve-threshold is needed when the residual variant is left out"
+                )
             threshold = statistics.mean(c[-1][1] for c in curves["residual"])
         print(f"\n### {folder.name}: {args.metric}, threshold {threshold:.4g}\n")
         print(
