@@ -38,10 +38,10 @@ ranges differ between blocks, as post-RoPE keys do.
    costs 32-bit scales and zero points. This is the table of the "Memory" section of
    ``docs/techniques/adakvq.md``.
 4. With ``--profiles SWEEP [SWEEP ...]`` instead: the AAD profiles and bit allocations of AdaKVQ
-   sweeps (``cli_configs/adakvq/repro.yaml``, ``repro_arith.yaml``), which write each seed's
-   profile to ``<sweep>/shared_fit/seed_<s>/aad/aad_profile.json``: per layer the normalised AAD
-   and its fluctuation over positions (mean ± std over seeds) and the per-head range; per seed the
-   widths ``allocate_bits`` gives under ``--budget`` for the AdaKVQ (``dp``), ``reverse`` and
+   sweeps (``cli_configs/adakvq/repro.yaml``, ``repro_arith.yaml``, ``repro_walk.yaml``), which
+   write each seed's profile to ``<sweep>/shared_fit/[<fit>/]seed_<s>/aad/aad_profile.json``:
+   per layer the normalised AAD and its fluctuation over positions (mean ± std over seeds) and
+   the per-head range; per seed the widths ``allocate_bits`` gives under ``--budget`` for the AdaKVQ (``dp``), ``reverse`` and
    ``random`` arms; and ``aad_layers.png`` (per-layer AAD of each sweep) in ``--out``.
 
 Run it::
@@ -146,13 +146,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def profiles(sweep: Path) -> dict[int, AADProfile]:
-    """The AAD profile of each seed's shared fit, by seed."""
+    """The AAD profile of each seed's shared fit (or of the named fit that writes one), by seed."""
     found = {}
-    for path in sorted(sweep.glob("shared_fit/seed_*/aad/aad_profile.json")):
+    paths = [*sweep.glob("shared_fit/seed_*/aad/aad_profile.json")]
+    paths += sweep.glob("shared_fit/*/seed_*/aad/aad_profile.json")
+    for path in sorted(paths):
         seed = int(re.search(r"seed_(\d+)", str(path)).group(1))
         found[seed] = AADProfile.from_json(path)
     if not found:
-        raise SystemExit(f"no shared_fit/seed_*/aad/aad_profile.json under {sweep}")
+        raise SystemExit(f"no shared_fit/[<fit>/]seed_*/aad/aad_profile.json under {sweep}")
     return found
 
 

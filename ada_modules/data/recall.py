@@ -2,6 +2,7 @@
 
 import random
 import string
+from typing import Literal
 
 from ada_modules.data.sequence_task import SequenceExample, SequenceTaskDataModule
 from ada_modules.data.tokenizer import CharTokenizer
@@ -40,6 +41,15 @@ class RecallDataModule(SequenceTaskDataModule):
         motif_length: Length of the repeated motif of a filler segment.
         filler_alphabet: Characters that motifs are drawn from.
         filler_loss: Put LM loss on the predictable part of the filler (after its first motif).
+        link_separator: Written between the key and the value of a link: ``":"`` (``ab:mn``) or
+            ``""`` (``abmn``, so that the value follows its key as in a copied sequence).
+        query_template: How a query is written, with ``{key}`` and ``{hops}`` and otherwise only
+            the characters ``|*=``, starting with ``|``; ``"|{hops}*{key}"`` ends the prompt on the
+            queried key, so that its successor is the next token to predict.
+        scratchpad: Make the completion the path, every node from the first link on to the
+            answer (``|cd*2=`` -> ``eftu``), so that each generated node is one lookup from the
+            node before it; the answered queries carry their paths too, and none of them passes
+            through the final answer. Off, the completion is the answer alone.
         extra_queries: Answered queries ``|key*h=answer`` between the context and the final
             query, each with LM loss on its answer: several supervised retrievals per sequence
             (as in multi-query associative recall), which a tiny model needs to learn the task
@@ -80,6 +90,9 @@ class RecallDataModule(SequenceTaskDataModule):
         motif_length: int = 3,
         filler_alphabet: str = string.ascii_uppercase,
         filler_loss: bool = False,
+        link_separator: Literal[":", ""] = ":",
+        query_template: str = "|{key}*{hops}=",
+        scratchpad: bool = False,
         extra_queries: int = 0,
         seed: int | None = None,
         num_train: int = 10_000,
@@ -153,16 +166,44 @@ class RecallDataModule(SequenceTaskDataModule):
         self.filler_length = filler_length
         self.motif_length = motif_length
         self.filler_alphabet = filler_alphabet
-        self.filler_loss = filler_loss
-        self.extra_queries = extra_queries
-        # The fewest extra queries any final query allows: all queries, minus the final one and
-        # those with its answer (at most max_hops of them: one per node before it on its chain).
-        queries = sum(len(c) * (len(c) - 1) // 2 for c in self._chain_shapes())
-        if extra_queries > queries - max_hops:
+        if link_separator not in (":", ""):
+            raise InputError(f"link_separator must be ':' or '', got {link_separator!r}")
+        rest = (
+            query_template.replace("{key}", "", 1).replace("{hops}", "", 1)
+            if isinstance(query_template, str)
+            else None
+        )
+        if (
+            rest is None
+            or not query_template.startswith("|")
+            or len(rest) != len(query_template) - len("{key}{hops}")
+            or set(rest) - set("|*=")
+            or rest.count("|") != 1
+        ):
             raise InputError(
-                f"extra_queries={extra_queries} exceeds the {queries - max_hops} distinct "
+                "query_template must start with '|', hold {key} and {hops} once each and "
+                f"otherwise only '*' and '=', got {query_template!r}"
+            )
+        if not isinstance(scratchpad, bool):
+            raise InputError(f"scratchpad must be a bool, got {scratchpad!r}")
+        self.filler_loss = filler_loss
+        self.link_separator = link_separator
+        self.query_template = query_template
+        self.scratchpad = scratchpad
+        self.extra_queries = extra_queries
+        # The fewest extra queries any final query allows: all queries, minus those whose
+        # completion holds the final answer (the final query among them). A query from node i to
+        # node j of a chain ends at node m for i < m = j, or passes through it for i < m <= j.
+        shapes = self._chain_shapes()
+        queries = sum(len(c) * (len(c) - 1) // 2 for c in shapes)
+        excluded = max(
+            m * (len(c) - m) if scratchpad else m for c in shapes for m in range(1, len(c))
+        )
+        if extra_queries > queries - excluded:
+            raise InputError(
+                f"extra_queries={extra_queries} exceeds the {queries - excluded} distinct "
                 f"queries that num_pairs={num_pairs}, max_hops={max_hops} allow besides the "
-                "final query and those sharing its answer"
+                "final query and those whose completion holds its answer"
             )
         self.save_hyperparameters()
 
@@ -178,17 +219,26 @@ class RecallDataModule(SequenceTaskDataModule):
 
     @property
     def prompt_length(self) -> int:
-        """Prompt length in tokens, ``<bos>`` included (the same for every example)."""
-        links = self.num_pairs * (2 * self.key_length + 1) + self.num_pairs - 1
+        """Prompt length in tokens, ``<bos>`` included.
+
+        The same for every example; with ``scratchpad``, the longest (answered paths vary).
+        """
+        link = 2 * self.key_length + len(self.link_separator)
+        links = self.num_pairs * link + self.num_pairs - 1
         filler = self.filler_segments * (self.filler_length + 3)
-        query = 1 + self.key_length + 1 + len(str(self.max_hops)) + 1
+        query = len(self.query_template) - len("{key}{hops}") + self.key_length
+        query += len(str(self.max_hops))
         return (
             1
             + links
             + filler
             + (self.extra_queries + 1) * query
-            + self.extra_queries * self.key_length
+            + self.extra_queries * self.key_length * (self.max_hops if self.scratchpad else 1)
         )
+
+    def extract_answer(self, completion: str) -> str:
+        """The answer: the completion, or with ``scratchpad`` its last node."""
+        return completion[-self.key_length :] if self.scratchpad else completion
 
     def make_example(self, rng: random.Random) -> SequenceExample:
         """Draw chains of keys, shuffle their links, add filler and ask a ``h``-hop query."""
@@ -203,8 +253,10 @@ class RecallDataModule(SequenceTaskDataModule):
         chain = rng.choice([ch for ch in chains if len(ch) > hops])
         start = rng.randrange(len(chain) - hops)
         query, answer = chain[start], chain[start + hops]
+        completion = "".join(chain[start + 1 : start + hops + 1]) if self.scratchpad else answer
 
-        segments = [f"{ch[i]}:{ch[i + 1]}" for ch in chains for i in range(len(ch) - 1)]
+        sep = self.link_separator
+        segments = [f"{ch[i]}{sep}{ch[i + 1]}" for ch in chains for i in range(len(ch) - 1)]
         rng.shuffle(segments)
         for _ in range(self.filler_segments):
             motif = "".join(rng.choices(self.filler_alphabet, k=self.motif_length))
@@ -223,20 +275,20 @@ class RecallDataModule(SequenceTaskDataModule):
                 loss_spans.append((first, len(prompt) + len(segment)))
             prompt += segment
         allowed = [
-            (other[i], j - i, other[j])
+            (other[i], j - i, "".join(other[i + 1 : j + 1]) if self.scratchpad else other[j])
             for other in chains
             for i in range(len(other))
             for j in range(i + 1, len(other))
-            if other[j] != answer
+            if answer not in (other[i + 1 : j + 1] if self.scratchpad else other[j : j + 1])
         ]
         for node, extra_hops, target in rng.sample(allowed, self.extra_queries):
-            prompt += f"|{node}*{extra_hops}="
-            loss_spans.append((len(prompt), len(prompt) + self.key_length))
+            prompt += self.query_template.format(key=node, hops=extra_hops)
+            loss_spans.append((len(prompt), len(prompt) + len(target)))
             prompt += target
-        prompt += f"|{query}*{hops}="
+        prompt += self.query_template.format(key=query, hops=hops)
         return SequenceExample(
             prompt=prompt,
-            completion=answer,
+            completion=completion,
             answer=answer,
             loss_spans=tuple(loss_spans),
             metadata={"hops": hops},

@@ -575,6 +575,27 @@ class AdaKVQCache(KIVICache):
                 dynamic_bits, demand, thresholds, threshold_mode, ema_decay, normalization
             )
 
+    def dynamic_block_changes(self) -> tuple[int, int]:
+        """Flushed blocks of the dynamic layers stored at other widths than the static ones.
+
+        Returns:
+            ``(changed, blocks)``: how many flushed blocks of the dynamic layers got widths other
+            than their layer's static ``(key_bits, value_bits)``, and how many they flushed.
+
+        Examples:
+            >>> cache = AdaKVQCache(None, key_bits=[3], value_bits=[3], key_group_size=16,
+            ...                     residual_length=16, dynamic_layers=[0])
+            >>> cache.dynamic_block_changes()
+            (0, 0)
+        """
+        changed = blocks = 0
+        for index in self.dynamic_layers:
+            layer = self.layers[index]
+            static = (layer.key_bits, layer.value_bits)
+            blocks += len(layer.block_bits)
+            changed += sum(bits != static for bits in layer.block_bits)
+        return changed, blocks
+
     @classmethod
     def from_profile(
         cls,

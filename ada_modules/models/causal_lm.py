@@ -107,7 +107,9 @@ class CausalLMModule(LightningModule):
     end token included), ``tokens_per_s`` and ``kv_bytes_per_token`` (bytes the KV cache holds
     per cached token of one sequence, metadata included, see :func:`~ada_modules.kv.cache_nbytes`);
     when the batch has ``hops``, also
-    ``exact_match_hop{h}`` per hop count.
+    ``exact_match_hop{h}`` per hop count; when the cache has demand-driven block widths
+    (:class:`~ada_modules.kv.AdaKVQCache` with dynamic layers), ``kv_dynamic_blocks_changed``,
+    the share of the dynamic layers' flushed blocks stored at other than their static widths.
 
     Techniques plug in without code changes: ``cache_factory`` supplies the KV cache of each
     ``generate`` call and ``attn_implementation`` picks the attention function.
@@ -283,6 +285,8 @@ class CausalLMModule(LightningModule):
         )
         # Per-hop accuracies are created on first sight of a hop count (see _evaluate).
         self.hop_metrics = nn.ModuleDict()
+        # Cache statistics that only some caches report, created on first report.
+        self.cache_metrics = nn.ModuleDict()
         self._generated = False  # whether generate ran (the cache factory was used)
         self._warned_unused_cache = False
 
@@ -371,7 +375,8 @@ class CausalLMModule(LightningModule):
     def _metrics_in_float32(self) -> None:
         # Under a half-precision trainer (``precision: bf16-true``) the model is converted, states
         # of the metrics included; accumulate in float32 so that means are not rounded to bf16.
-        for metric in [*self.eval_metrics.values(), *self.hop_metrics.values()]:
+        metrics = (self.eval_metrics, self.hop_metrics, self.cache_metrics)
+        for metric in [m for group in metrics for m in group.values()]:
             metric.set_dtype(torch.float32)
 
     def on_validation_start(self) -> None:
@@ -407,6 +412,20 @@ class CausalLMModule(LightningModule):
             metric.update(value, weight)
             self.log(
                 f"{stage}/{name}", metric, prog_bar=name == "exact_match", batch_size=batch_size
+            )
+        # Caches with demand-driven block widths (AdaKVQCache) say how many blocks they changed.
+        block_changes = getattr(cache, "dynamic_block_changes", None)
+        if block_changes is not None and block_changes()[1]:
+            changed, blocks = block_changes()
+            key = f"{stage}_kv_dynamic_blocks_changed"
+            if key not in self.cache_metrics:
+                self.cache_metrics[key] = MeanMetric().to(self.device)
+            self.cache_metrics[key].update(torch.tensor(changed / blocks), blocks)
+            self.log(
+                f"{stage}/kv_dynamic_blocks_changed",
+                self.cache_metrics[key],
+                batch_size=batch_size,
+                metric_attribute=f"cache_metrics.{key}",
             )
         if "hops" in batch:
             for hops in batch["hops"].unique().tolist():

@@ -68,6 +68,61 @@ def test_extra_queries_are_answered_never_share_the_final_answer_and_carry_the_l
         assert spans == [extra.split("=")[1] for extra in extras]
 
 
+def test_scratchpad_completions_walk_the_path_and_no_answered_path_holds_the_answer():
+    dm = RecallDataModule(
+        num_pairs=8, max_hops=2, key_length=2, extra_queries=8, scratchpad=True, **SMALL
+    )
+    dm.setup("test")
+    tok = CharTokenizer()
+    assert max(len(ex["prompt_ids"]) for ex in dm.datasets["test"]) <= dm.prompt_length
+    for example in dm.datasets["test"]:
+        context, *extras, final = tok.decode(example["prompt_ids"]).split("|")
+        links, node, hops = _parse(f"{context}|{final}")
+        path = []
+        for _ in range(hops):
+            node = links[node]
+            path.append(node)
+        assert tok.decode(example["completion_ids"][:-1]) == "".join(path)
+        assert example["answer"] == node == dm.extract_answer("".join(path))
+        for extra in extras:
+            query, walked = extra.split("=")
+            key, extra_hops = query.split("*")
+            expected = []
+            for _ in range(int(extra_hops)):
+                key = links[key]
+                expected.append(key)
+            assert walked == "".join(expected) and node not in expected
+
+
+def test_induction_layout_ends_the_prompt_on_the_key_and_writes_links_as_bigrams():
+    dm = RecallDataModule(
+        num_pairs=6,
+        max_hops=2,
+        key_length=1,
+        link_separator="",
+        query_template="|{hops}*{key}",
+        scratchpad=True,
+        extra_queries=4,
+        **SMALL,
+    )
+    dm.setup("test")
+    tok = CharTokenizer()
+    for example in dm.datasets["test"]:
+        context, *extras, final = tok.decode(example["prompt_ids"]).split("|")
+        links = dict(link for link in context.split(";") if not link.startswith("["))
+        assert len(links) == 6 and all(len(k) == 1 for k in links)
+        hops, node = final.split("*")
+        path = []
+        for _ in range(int(hops)):
+            node = links[node]
+            path.append(node)
+        assert example["completion"] == "".join(path) and example["answer"] == node
+        for extra in extras:
+            hops, walk = extra.split("*")
+            assert len(walk) == int(hops) + 1
+            assert all(links[a] == b for a, b in zip(walk, walk[1:], strict=False))
+
+
 def test_hop_weights_select_hop_counts():
     dm = RecallDataModule(num_pairs=6, max_hops=3, hop_weights=[0.0, 1.0, 0.0], **SMALL)
     dm.setup("test")
@@ -166,6 +221,13 @@ def test_long_context():
         ({"eval_batch_size": 0}, "eval_batch_size"),
         ({"extra_queries": -1}, "extra_queries"),
         ({"num_pairs": 6, "max_hops": 2, "extra_queries": 8}, "extra_queries"),
+        ({"num_pairs": 6, "max_hops": 3, "extra_queries": 9, "scratchpad": True}, "extra_queries"),
+        ({"scratchpad": 1}, "scratchpad"),
+        ({"link_separator": "-"}, "link_separator"),
+        ({"query_template": "|{key}*"}, "query_template"),
+        ({"query_template": "{key}*{hops}="}, "query_template"),
+        ({"query_template": "|{key}#{hops}"}, "query_template"),
+        ({"query_template": "|{key}|{hops}"}, "query_template"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, name):

@@ -192,6 +192,34 @@ def test_block_bits_follow_the_recorded_decode_demand():
     ]
 
 
+def test_cache_counts_the_blocks_its_dynamic_layers_changed():
+    cache = AdaKVQCache(
+        None,
+        key_bits=[3, 3],
+        value_bits=[3, 3],
+        key_group_size=16,
+        residual_length=16,
+        dynamic_layers=[0],
+        dynamic_bits=(2, 3, 4),
+        thresholds=(0.3, 0.7),
+        threshold_mode="absolute",
+        normalization="none",
+    )
+    gen = torch.Generator().manual_seed(0)
+    states = lambda n: torch.randn(1, 2, n, 32, generator=gen)  # noqa: E731
+    for layer in cache.layers:
+        layer.update(states(16), states(16))
+    for far in (0.1, 0.9, 0.9, 0.5):  # as above: layer 0 goes down, up, static, static
+        for _ in range(16):
+            cache.layers[0].observe_decode_lse(_lse_for_far_mass(far))
+            for layer in cache.layers:
+                layer.update(states(1), states(1))
+    for layer in cache.layers:
+        layer.update(states(1), states(1))
+    assert cache.layers[0].block_bits == [(3, 3), (2, 2), (4, 4), (3, 3), (3, 3)]
+    assert cache.dynamic_block_changes() == (2, 5)  # layer 1 is static: not counted
+
+
 def test_key_proxy_demand_sees_retrieval_of_the_history():
     # Keys stand in for queries (scale 1/4 at head_dim 16). Block 0: 8 e0. Block 1: 8 e1, whose
     # self-scores (16) dwarf its scores with the history (0): local. Block 2: 2 e0 (retrieval:

@@ -113,6 +113,28 @@ def test_metrics_accumulate_in_float32_under_bf16_true(seed, datamodule, cpu_tra
     assert metrics["val/kv_bytes_per_token"] == pytest.approx(bf16_bytes)
 
 
+@pytest.mark.parametrize("dynamic_layers", [[0], []])
+def test_dynamic_cache_logs_the_share_of_blocks_it_changed(seed, cpu_trainer, dynamic_layers):
+    from ada_modules.kv import QUANTIZED_KV_ATTENTION, AdaKVQCache
+
+    dm = RecallDataModule(num_pairs=3, filler_segments=3, num_train=8, num_val=8, num_test=8)
+    factory = partial(
+        AdaKVQCache, key_bits=3, value_bits=3, key_group_size=16, residual_length=16,
+        dynamic_layers=dynamic_layers,
+    )  # fmt: skip
+    module = CausalLMModule(
+        **{**TINY, "num_heads": 2, "num_kv_heads": 1},  # head dim 16
+        cache_factory=factory,
+        attn_implementation=QUANTIZED_KV_ATTENTION,
+    )
+    metrics = cpu_trainer().test(module, dm, verbose=False)[0]
+    assert dm.prompt_length > 48  # at least two flushed blocks per sequence
+    if dynamic_layers:
+        assert 0.0 <= metrics["test/kv_dynamic_blocks_changed"] <= 1.0
+    else:
+        assert "test/kv_dynamic_blocks_changed" not in metrics
+
+
 def test_exact_match_compares_generations_with_targets(
     datamodule, tmp_path, monkeypatch, cpu_trainer
 ):
