@@ -28,7 +28,11 @@ class RecallDataModule(SequenceTaskDataModule):
 
         xq:ab;[KPKPKPKP];cd:ef;ab:mn;ef:tu|cd*2=
 
-    The answer is ``tu`` (``cd -> ef -> tu``). Each batch has a ``hops`` tensor.
+    The answer is ``tu`` (``cd -> ef -> tu``). Each batch has a ``hops`` tensor. The same links
+    with ``link_separator=""``, ``query_template="|{hops}*{key}"`` and ``scratchpad=True``, where
+    each node to generate is the token that followed the previous one in the context::
+
+        xqab;[KPKPKPKP];cdef;abmn;eftu|2*cd      -> completion ``eftu``
 
     Args:
         num_pairs: Number of ``key:value`` links in the context.
