@@ -225,7 +225,8 @@ class RecallDataModule(SequenceTaskDataModule):
     def prompt_length(self) -> int:
         """Prompt length in tokens, ``<bos>`` included.
 
-        The same for every example; with ``scratchpad``, the longest (answered paths vary).
+        The same for every example; with ``scratchpad``, an upper bound (the answered paths
+        vary in length).
         """
         link = 2 * self.key_length + len(self.link_separator)
         links = self.num_pairs * link + self.num_pairs - 1

@@ -415,8 +415,8 @@ class CausalLMModule(LightningModule):
             )
         # Caches with demand-driven block widths (AdaKVQCache) say how many blocks they changed.
         block_changes = getattr(cache, "dynamic_block_changes", None)
-        if block_changes is not None and block_changes()[1]:
-            changed, blocks = block_changes()
+        changed, blocks = block_changes() if block_changes is not None else (0, 0)
+        if blocks:
             key = f"{stage}_kv_dynamic_blocks_changed"
             if key not in self.cache_metrics:
                 self.cache_metrics[key] = MeanMetric().to(self.device)
