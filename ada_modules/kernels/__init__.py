@@ -39,6 +39,7 @@ from ada_modules.kernels.kv_quant import (
     quantize_values,
     quantize_values_reference,
 )
+from ada_modules.kernels.routed_sum import routed_sum, routed_sum_reference
 from ada_modules.kernels.sparse_prefill import (
     block_mask_to_indices,
     sparse_prefill_attention,
@@ -71,6 +72,9 @@ __all__ = [
     "adkv_decode_attention_reference",
     "adkv_dequantize",
     "adkv_dequantize_reference",
+    # routed_sum
+    "routed_sum",
+    "routed_sum_reference",
     # sparse_prefill
     "block_mask_to_indices",
     "sparse_prefill_attention",

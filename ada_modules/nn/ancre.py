@@ -24,9 +24,10 @@ logits ``c`` still receive gradient as soon as ``g`` moves. ``gate=False`` drops
 (``g_i = 1``): the pure softmax routing, close to but not exactly residual at init
 (``prev_logit`` sets how close).
 
-Memory: the routed sums are accumulated term by term (``addcmul`` with scalar or per-channel
-coefficients), never by stacking the states, so the only activations kept are the states
-themselves, which the blocks' backward needs anyway. ``export_hard()`` keeps the strongest source
+Memory and speed: the routed sums never stack the states, so the only activations kept are the
+states themselves, which the blocks' backward needs anyway. On CUDA they run as one fused Triton
+kernel per layer and direction (:func:`~ada_modules.kernels.routed_sum`: each state read once);
+elsewhere, and under ``torch.compile``, term by term (``addcmul``). ``export_hard()`` keeps the strongest source
 per layer: one extra addition per re-routed layer and only the states that some layer reads.
 
 Gradient checkpointing: the states of each forward pass are indexed by block position. Without
@@ -59,6 +60,7 @@ import torch
 from torch import nn
 
 from ada_modules.errors import InputError
+from ada_modules.kernels import Impl, routed_sum
 
 __all__ = [
     "MODES",
@@ -111,6 +113,9 @@ class ConnectivityRouter(nn.Module):
             without a separate parameter group. Zero-initialised coefficients (gates, ReZero's
             alpha) keep the exact identity at init; DenseFormer's unit weights are exact when
             ``lr_scale`` is a power of two.
+        impl: How the routed sums run: ``"auto"`` (the fused Triton kernel on CUDA, term by term
+            in torch otherwise), ``"triton"`` or ``"torch"`` (see
+            :func:`~ada_modules.kernels.routed_sum`).
 
     Raises:
         ValueError: If an argument is out of range, naming it.
@@ -142,8 +147,11 @@ class ConnectivityRouter(nn.Module):
         prev_logit: float = 0.0,
         residual_in_block: bool = True,
         lr_scale: float = 1.0,
+        impl: Impl = "auto",
     ) -> None:
         super().__init__()
+        if impl not in ("auto", "triton", "torch"):
+            raise InputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise InputError(f"num_layers must be a positive integer, got {num_layers!r}")
         if mode not in MODES:
@@ -179,6 +187,7 @@ class ConnectivityRouter(nn.Module):
         self.use_gate = gate
         self.residual_in_block = residual_in_block
         self.lr_scale = float(lr_scale)
+        self.impl = impl
         self.hard = False
         width = num_channels if per_channel else 1
         # Routed rows: source mode routes the skip of blocks 1..K-1 (block 0 has one source);
@@ -343,17 +352,9 @@ class ConnectivityRouter(nn.Module):
 
     # Forward-pass protocol (called by RoutedBlock) ---------------------------------------------
 
-    def _weighted_sum(
-        self, states: Sequence[torch.Tensor], coeffs: torch.Tensor, like: torch.Tensor
-    ) -> torch.Tensor:
-        shape = [1] * like.ndim
-        if self.per_channel:
-            shape[self.channel_dim] = self._width
-        coeffs = coeffs.to(like.dtype)
-        total = states[0] * coeffs[0].view(shape)
-        for state, c in zip(states[1:], coeffs[1:], strict=True):
-            total = torch.addcmul(total, state, c.view(shape))
-        return total
+    def _weighted_sum(self, states: Sequence[torch.Tensor], coeffs: torch.Tensor) -> torch.Tensor:
+        impl = "torch" if torch.compiler.is_compiling() else self.impl  # inductor fuses it
+        return routed_sum(states, coeffs, self.channel_dim, impl=impl)
 
     def _state(self, p: _Pass, j: int) -> torch.Tensor:
         state = p.states[j]
@@ -459,7 +460,7 @@ class ConnectivityRouter(nn.Module):
         """``sum_j w_j x_j`` over row ``r``'s sources (``"denseformer"``: the mixture itself)."""
         sources, coeffs = self._row_weights(r, p.temperature)
         states = [current if j == r else self._state(p, j) for j in sources]
-        return self._weighted_sum(states, coeffs, current)
+        return self._weighted_sum(states, coeffs)
 
     def record(self, p: _Pass, index: int, y: torch.Tensor) -> torch.Tensor:
         """Store block ``index``'s output; after the last block, return the stack output.

@@ -33,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from ada_modules.errors import InputError
+from ada_modules.kernels import Impl
 from ada_modules.nn.ancre import MODES, ANCReStack, ConnectivityRouter, Mode, wrap_module_list
 
 __all__ = [
@@ -240,6 +241,8 @@ class ConnectivityWrapper:
         gate: Exact-identity gate (``True``) or pure softmax (``False``).
         prev_logit: Initial logit of the previous state.
         lr_scale: Learning-rate multiplier of the coefficients (Adam-type optimizers).
+        impl: Routed sums as the fused Triton kernel on CUDA (``"auto"``), always
+            (``"triton"``) or term by term in torch (``"torch"``).
 
     Raises:
         ValueError: If ``mode`` is unknown (other arguments are checked when called).
@@ -271,6 +274,7 @@ class ConnectivityWrapper:
         gate: bool = True,
         prev_logit: float = 0.0,
         lr_scale: float = 1.0,
+        impl: Impl = "auto",
     ) -> None:
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -286,6 +290,7 @@ class ConnectivityWrapper:
             "gate": gate,
             "prev_logit": prev_logit,
             "lr_scale": lr_scale,
+            "impl": impl,
         }
 
     def __call__(self, model: nn.Module) -> nn.Module:
@@ -355,6 +360,8 @@ class MLPResNet(ANCReStack):
         gate: Exact-identity gate (``True``) or pure softmax (``False``).
         prev_logit: Initial logit of the previous state.
         lr_scale: Learning-rate multiplier of the coefficients (Adam-type optimizers).
+        impl: Routed sums as the fused Triton kernel on CUDA (``"auto"``), always
+            (``"triton"``) or term by term in torch (``"torch"``).
 
     Raises:
         ValueError: If ``width``, ``depth`` or ``expansion`` is below 1, or a router argument is
@@ -383,6 +390,7 @@ class MLPResNet(ANCReStack):
         gate: bool = True,
         prev_logit: float = 0.0,
         lr_scale: float = 1.0,
+        impl: Impl = "auto",
     ) -> None:
         blocks = mlp_blocks(width, depth, expansion, norm)
         super().__init__(
@@ -399,4 +407,5 @@ class MLPResNet(ANCReStack):
             prev_logit=prev_logit,
             residual_in_block=False,
             lr_scale=lr_scale,
+            impl=impl,
         )

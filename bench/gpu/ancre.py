@@ -1,9 +1,13 @@
 """GPU benchmark of ANCRe: a 24-layer GPT-like model, residual vs DenseFormer-like vs ANCRe.
 
-What it measures (issue 6, item 6), in one run on one GPU:
+What it measures (issues 6 and 27), in one run on one GPU:
 
-0. **Check first** (no timing): the three layouts give bitwise-equal logits at initialisation
-   (same weights; ANCRe and DenseFormer start as the plain residual network).
+0. **Check first** (no timing): the routed-sum kernels (forward and backward,
+   :func:`~ada_modules.kernels.routed_sum`) against the float64 reference, in fp32 and bf16, with
+   one coefficient per state and per channel; then the layouts give bitwise-equal logits at
+   initialisation (same weights; ANCRe and DenseFormer start as the plain residual network).
+0b. **Routed sums alone**: forward + backward of every routed sum of a 24-layer ``"source"`` stack
+   (rows of 2..24 states of ``batch x tokens x hidden``), fused kernel vs term by term in torch.
 1. **Training**: a 24-layer Llama-style decoder (hidden 512, 8 heads, MLP 1376, vocab 256,
    ~76 M parameters; built from a ``LlamaConfig``, the layers wrapped by
    :class:`~ada_modules.nn.ConnectivityWrapper`) trained from the same initial weights with AdamW
@@ -11,6 +15,8 @@ What it measures (issue 6, item 6), in one run on one GPU:
    sequence is 128 tokens of a random sparse first-order Markov chain (8 successors per token)
    followed by a verbatim copy of those 128 tokens (an induction task). Batch 32 × 256 tokens.
    Validation loss on 128 held-out sequences every ``--eval-every`` steps.
+   ``source_torch_sums`` is ANCRe with its routed sums term by term in torch (``impl="torch"``):
+   the step-time overhead without the fused kernel.
 2. **Columns**: parameters added by the layout (% of the model), median training-step time and
    tokens/s (overhead % against residual), peak memory, final validation loss, and the **time to
    target**: training seconds (evaluation excluded) and steps until the validation loss first
@@ -18,7 +24,7 @@ What it measures (issue 6, item 6), in one run on one GPU:
    its run; ``>`` means not reached within the budget).
 
 Each layout trains for ``--steps`` steps or ``--train-seconds`` seconds, whichever comes first (the
-default budget keeps the whole script under about 6 minutes on an H200). Timing: CUDA-synchronised
+default budget keeps the whole script under about 7 minutes on an H200). Timing: CUDA-synchronised
 ``time.perf_counter`` per step; the median over the steps after a 20-step warm-up.
 
 Run it (one H200)::
@@ -44,13 +50,20 @@ import sys
 import time
 
 import torch
-from _common import write_json  # bench/gpu/_common.py
+from _common import median_ms, write_json  # bench/gpu/_common.py
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from ada_modules.kernels import interpreter_enabled, routed_sum
 from ada_modules.nn import ConnectivityWrapper
 
 SLUG = "ancre"
-LAYOUTS = ("residual", "denseformer", "source")
+# layout name -> (ConnectivityWrapper mode, routed-sum impl)
+LAYOUTS = {
+    "residual": ("residual", "auto"),
+    "denseformer": ("denseformer", "auto"),
+    "source": ("source", "auto"),
+    "source_torch_sums": ("source", "torch"),
+}
 
 
 def markov_corpus(
@@ -108,7 +121,8 @@ def train(
     device: str,
 ) -> dict:
     model = copy.deepcopy(base)
-    ConnectivityWrapper(mode=layout)(model)
+    mode, impl = LAYOUTS[layout]
+    ConnectivityWrapper(mode=mode, impl=impl)(model)
     extra = sum(p.numel() for n, p in model.named_parameters() if "connectivity" in n)
     total = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
@@ -158,12 +172,92 @@ def train(
     }
 
 
+def check_routed_sum(device: str, tokens: int, hidden: int) -> list[str]:
+    """The kernels and the term-by-term torch path against the float64 reference.
+
+    Checks the output, the first state's gradient and the coefficient gradients, in fp32 and
+    bf16, one coefficient per state and per channel. An error is the largest absolute difference
+    over the largest magnitude of the quantity. A case fails when the kernel's error exceeds
+    ``2 x`` the torch path's error ``+ 4 eps`` of the dtype. Returns the failures.
+    """
+    failures = []
+    generator = torch.Generator().manual_seed(2)
+    print("\n### routed_sum against float64: relative error, kernel (torch path)\n")
+    print("| dtype | states | coefficients | output | states grad | coeffs grad |")
+    print("|---|---|---|---|---|---|")
+    for dtype in (torch.float32, torch.bfloat16):
+        for n, per_channel in ((3, False), (25, False), (9, True)):
+            shape = (tokens, hidden)
+            exact = [torch.randn(shape, generator=generator, dtype=torch.float64) for _ in range(n)]
+            exact = [x.to(dtype).double() for x in exact]  # representable in dtype
+            coeffs = torch.randn(n, hidden if per_channel else 1, generator=generator).double()
+            grad = torch.randn(shape, generator=generator).to(dtype)
+            runs = {}
+            for impl, run_dtype, run_device in (
+                ("reference", torch.float64, "cpu"),
+                ("triton", dtype, device),
+                ("torch", dtype, device),
+            ):
+                leaves = [
+                    coeffs.to(run_device, torch.float64 if impl == "reference" else torch.float32)
+                ]
+                leaves += [x.to(run_device, run_dtype) for x in exact]
+                leaves = [t.requires_grad_() for t in leaves]
+                out = routed_sum(leaves[1:], leaves[0], impl="torch" if impl != "triton" else impl)
+                grads = torch.autograd.grad(out, leaves[:2], grad.to(run_device, run_dtype))
+                runs[impl] = [t.detach().double().cpu() for t in (out, grads[1], grads[0])]
+            cells = []
+            eps = torch.finfo(dtype).eps
+            for k, name in enumerate(("output", "states grad", "coeffs grad")):
+                want = runs["reference"][k]
+                scale = want.abs().max()
+                err = {
+                    i: float((runs[i][k] - want).abs().max() / scale) for i in ("triton", "torch")
+                }
+                cells.append(f"{err['triton']:.1e} ({err['torch']:.1e})")
+                if err["triton"] > 2 * err["torch"] + 4 * eps:
+                    failures.append(f"{dtype} n={n} per_channel={per_channel} {name}: {err}")
+            kind = "per channel" if per_channel else "per state"
+            print(f"| {dtype} | {n} | {kind} | " + " | ".join(cells) + " |")
+    return failures
+
+
+def time_routed_sums(device: str, layers: int, tokens: int, hidden: int) -> dict:
+    """Forward + backward of all routed sums of a ``layers``-block source stack, both impls."""
+    states = [torch.randn(tokens, hidden, device=device, requires_grad=True) for _ in range(layers)]
+    coeffs = [torch.randn(r + 1, 1, device=device, requires_grad=True) for r in range(1, layers)]
+    grad = torch.randn(tokens, hidden, device=device)
+    timings = {}
+    impls = (
+        ("triton", "torch") if device.startswith("cuda") or interpreter_enabled() else ("torch",)
+    )
+    for impl in impls:
+
+        def step(impl: str = impl) -> None:
+            outs = [routed_sum(states[: r + 1], coeffs[r - 1], impl=impl) for r in range(1, layers)]
+            torch.autograd.backward(outs, [grad] * len(outs))
+
+        timings[impl] = median_ms(step, torch.device(device))
+    terms = sum(r + 1 for r in range(1, layers))
+    print(
+        f"\n### Routed sums of a {layers}-block source stack ({layers - 1} sums, {terms} terms of "
+        f"{tokens} x {hidden} fp32), forward + backward\n"
+    )
+    print("| impl | median ms |")
+    print("|---|---|")
+    for impl, ms in timings.items():
+        print(f"| {impl} | {ms:.3f} |")
+    if "triton" in timings:
+        print(f"\nfused / term by term: {timings['triton'] / timings['torch']:.3f}")
+    return {"layers": layers, "tokens": tokens, "hidden": hidden, "median_ms": timings}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--quick", action="store_true", help="tiny model, a few steps")
     parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--train-seconds", type=float, default=95.0, help="budget per layout")
+    parser.add_argument("--train-seconds", type=float, default=75.0, help="budget per layout")
     parser.add_argument("--eval-every", type=int, default=100)
     args = parser.parse_args(argv)
     args.layers, args.hidden, args.heads, args.mlp, args.vocab = 24, 512, 8, 1376, 256
@@ -187,12 +281,22 @@ def main(argv: list[str] | None = None) -> int:
     train_data, val = data[: args.num_train], data[args.num_train :]
     base = build_model(args, device)
 
-    # 0. Identity at init: the three layouts give the same logits on the same weights.
+    # 0. The kernels against the reference, then identity at init (same logits, same weights).
+    tokens = args.batch * 2 * args.half
+    if device.startswith("cuda") or interpreter_enabled():
+        failures = check_routed_sum(device, tokens, args.hidden)
+        if failures:
+            print("routed_sum kernel check failed: " + "; ".join(failures), file=sys.stderr)
+            return 1
+    else:
+        print("routed_sum kernel check skipped: no CUDA and TRITON_INTERPRET is not set")
+    sums = time_routed_sums(device, args.layers, tokens, args.hidden)
     probe = val[:4]
     with torch.no_grad():
         reference = base(input_ids=probe).logits
-        for layout in LAYOUTS[1:]:
-            wrapped = ConnectivityWrapper(mode=layout)(copy.deepcopy(base))
+        for layout in list(LAYOUTS)[1:]:
+            mode, impl = LAYOUTS[layout]
+            wrapped = ConnectivityWrapper(mode=mode, impl=impl)(copy.deepcopy(base))
             same = torch.equal(wrapped(input_ids=probe).logits, reference)
             print(f"identity at init ({layout} vs residual): {same}")
             if not same:
@@ -242,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "triton": _triton_version(),
             "elapsed_s": elapsed,
+            "routed_sums": sums,
             "results": results,
         },
     )

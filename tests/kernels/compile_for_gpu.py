@@ -44,6 +44,7 @@ from ada_modules.kernels import (
     quantize_int8_absmax,
     quantize_keys,
     quantize_values,
+    routed_sum,
     sparse_prefill_attention,
 )
 from ada_modules.kernels.exponent_codec import decode_from, encode_into, encode_into_reference
@@ -182,6 +183,18 @@ def _calls() -> list[tuple[str, Callable[[], object]]]:
                 ),
             ),
         ]
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape, width, channel_dim in (
+            ((4, 8, 64), 1, -1),
+            ((4, 8, 64), 64, -1),
+            ((2, 8, 4, 4), 8, 1),
+        ):
+            calls.append(
+                (
+                    f"routed_sum {dtype} {shape} {width} channels forward and backward",
+                    lambda s=shape, w=width, d=channel_dim, t=dtype: _routed_sum_step(s, w, d, t),
+                )
+            )
     x = torch.randn(8, 96)
     q, scale = quantize_int8_absmax(x, impl="torch")
     calls += [
@@ -189,6 +202,14 @@ def _calls() -> list[tuple[str, Callable[[], object]]]:
         ("dequantize_int8_absmax", lambda: dequantize_int8_absmax(q, scale, impl="triton")),
     ]
     return calls
+
+
+def _routed_sum_step(shape: tuple[int, ...], width: int, channel_dim: int, dtype) -> None:
+    """One routed sum of 11 states (two launches each way) and its backward pass."""
+    states = [torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(11)]
+    coeffs = torch.randn(11, width, requires_grad=True)
+    out = routed_sum(states, coeffs, channel_dim, impl="triton")
+    torch.autograd.grad(out, [coeffs, *states], torch.ones_like(out))
 
 
 def main(argv: list[str] | None = None) -> int:
