@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from ada_modules.errors import InputError
-from ada_modules.kernels import Impl, routed_sum
+from ada_modules.kernels import Impl, routed_sum, routed_sum_reference
 
 __all__ = [
     "MODES",
@@ -353,8 +353,17 @@ class ConnectivityRouter(nn.Module):
     # Forward-pass protocol (called by RoutedBlock) ---------------------------------------------
 
     def _weighted_sum(self, states: Sequence[torch.Tensor], coeffs: torch.Tensor) -> torch.Tensor:
-        impl = "torch" if torch.compiler.is_compiling() else self.impl  # inductor fuses it
-        return routed_sum(states, coeffs, self.channel_dim, impl=impl)
+        # Term by term off CUDA (without routed_sum's argument checks: the router built the
+        # states), for states of mixed dtypes and under torch.compile (inductor fuses it); the
+        # fused kernel otherwise.
+        if (
+            self.impl == "torch"
+            or (self.impl == "auto" and not coeffs.is_cuda)
+            or torch.compiler.is_compiling()
+            or any(s.dtype != states[0].dtype for s in states)  # the reference promotes
+        ):
+            return routed_sum_reference(states, coeffs, self.channel_dim)
+        return routed_sum(states, coeffs, self.channel_dim, impl=self.impl)
 
     def _state(self, p: _Pass, j: int) -> torch.Tensor:
         state = p.states[j]

@@ -188,3 +188,24 @@ def test_routed_stack_with_the_kernel_matches_torch(seed, mode, per_channel):
 def test_router_names_a_bad_impl():
     with pytest.raises(InputError, match="impl must be 'auto', 'triton' or 'torch', got 'cuda'"):
         _stack("cuda")
+
+
+class _TanhToDouble(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x).double()
+
+
+@pytest.mark.triton
+def test_routed_stack_with_mixed_dtypes_sums_term_by_term(seed):
+    # x_0 is float32 and the later states float64: the reference promotes, the kernel could not
+    x = torch.randn(4, 8, device=DEVICE)
+    stacks = [
+        ANCReStack(
+            [_TanhToDouble() for _ in range(3)], mode="source", residual_in_block=False, impl=impl
+        )
+        for impl in ("triton", "torch")
+    ]
+    for stack in stacks:
+        with torch.no_grad():
+            stack.router.gate.fill_(0.5)
+    assert torch.equal(stacks[0](x), stacks[1](x))

@@ -305,15 +305,26 @@ def _assert_same_training(
     return checkpointed
 
 
-_CHECKPOINTED = [
-    pytest.param(mode, {}, every, id=f"{mode}-{str(every).replace(' ', '_')}")
-    for mode in ("source", "input")
-    for every in (1, 2, "whole", "from before")
-] + [
-    pytest.param("denseformer", {"dilation": 2}, 2, id="denseformer_dilated-2"),
-    pytest.param("rezero", {}, 2, id="rezero-2"),
-    pytest.param("source", {"top_k": 2, "per_channel": True, "num_channels": 8}, 1, id="top_k-1"),
-]
+_CHECKPOINTED = (
+    [
+        pytest.param(mode, {}, every, id=f"{mode}-{str(every).replace(' ', '_')}")
+        for mode in ("source", "input")
+        for every in (1, 2, "whole", "from before")
+    ]
+    + [
+        pytest.param("denseformer", {"dilation": 2}, 2, id="denseformer_dilated-2"),
+        pytest.param("rezero", {}, 2, id="rezero-2"),
+        pytest.param(
+            "source", {"top_k": 2, "per_channel": True, "num_channels": 8}, 1, id="top_k-1"
+        ),
+    ]
+    + [  # the fused routed-sum kernel (the interpreter on CPU)
+        pytest.param(
+            mode, {"impl": "triton"}, every, id=f"{mode}_fused-{every}", marks=pytest.mark.triton
+        )
+        for mode, every in (("source", 2), ("input", "whole"))
+    ]
+)
 
 
 @pytest.mark.parametrize(("mode", "options", "every"), _CHECKPOINTED)
