@@ -35,6 +35,7 @@ from ada_modules.data.sudoku import generate_sudoku
 from ada_modules.errors import InputError
 from ada_modules.fl import aggregate
 from ada_modules.kernels import delta_codec
+from ada_modules.kernels.routed_sum import routed_sum
 from ada_modules.kernels.sparse_prefill import sparse_prefill_attention
 from ada_modules.kv import (
     AADAccumulator,
@@ -423,6 +424,11 @@ CASES = [
                 block_size=16,
             )
         ),
+    ),
+    Case(
+        "kernels",
+        "`routed_sum(states, coeffs)`: three (8, 16) states, coefficients for 12 channels",
+        _raises(lambda tmp: routed_sum([torch.zeros(8, 16)] * 3, torch.zeros(3, 12))),
     ),
     Case(
         "optimizers",
