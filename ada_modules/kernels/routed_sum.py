@@ -372,7 +372,11 @@ def _backward_triton(
 
 
 class _RoutedSum(torch.autograd.Function):
-    """The Triton routed sum, forward and backward (coefficients as ``(n, C)``, fp32 inside)."""
+    """The Triton routed sum, forward and backward (coefficients as ``(n, C)``, fp32 inside).
+
+    Differentiable once: a double backward (e.g. a gradient penalty) raises instead of silently
+    missing terms; use ``impl="torch"`` for it.
+    """
 
     @staticmethod
     def forward(ctx, coeffs: torch.Tensor, channel_dim: int, *states: torch.Tensor) -> torch.Tensor:
@@ -385,6 +389,7 @@ class _RoutedSum(torch.autograd.Function):
         return _forward_triton(states, c32, layout)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         c32, *states = ctx.saved_tensors
         need_dc = ctx.needs_input_grad[0]

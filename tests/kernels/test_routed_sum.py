@@ -209,3 +209,12 @@ def test_routed_stack_with_mixed_dtypes_sums_term_by_term(seed):
         with torch.no_grad():
             stack.router.gate.fill_(0.5)
     assert torch.equal(stacks[0](x), stacks[1](x))
+
+
+@pytest.mark.triton
+def test_a_double_backward_through_the_kernel_raises():
+    states = [torch.randn(3, 4, device=DEVICE, requires_grad=True) for _ in range(2)]
+    out = routed_sum(states, torch.randn(2, device=DEVICE, requires_grad=True), impl="triton")
+    (grad,) = torch.autograd.grad(out.square().sum(), states[0], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()
