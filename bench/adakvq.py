@@ -42,7 +42,8 @@ ranges differ between blocks, as post-RoPE keys do.
    write each seed's profile to ``<sweep>/shared_fit/[<fit>/]seed_<s>/aad/aad_profile.json``:
    per layer the normalised AAD and its fluctuation over positions (mean ± std over seeds) and
    the per-head range; per seed the widths ``allocate_bits`` gives under ``--budget`` for the
-   AdaKVQ (``dp``), ``reverse`` and ``random`` arms; and ``aad_layers.png`` (per-layer AAD of each sweep) in ``--out``.
+   AdaKVQ (``dp``), ``reverse`` and ``random`` arms; and ``aad_layers.png`` (per-layer AAD of
+   each sweep) in ``--out``.
 
 Run it::
 

@@ -27,8 +27,9 @@ logits ``c`` still receive gradient as soon as ``g`` moves. ``gate=False`` drops
 Memory and speed: the routed sums never stack the states, so the only activations kept are the
 states themselves, which the blocks' backward needs anyway. On CUDA they run as one fused Triton
 kernel per layer and direction (:func:`~ada_modules.kernels.routed_sum`: each state read once);
-elsewhere, and under ``torch.compile``, term by term (``addcmul``). ``export_hard()`` keeps the strongest source
-per layer: one extra addition per re-routed layer and only the states that some layer reads.
+elsewhere, and under ``torch.compile``, term by term (``addcmul``). ``export_hard()`` keeps the
+strongest source per layer: one extra addition per re-routed layer and only the states that some
+layer reads.
 
 Gradient checkpointing: the states of each forward pass are indexed by block position. Without
 checkpointing the router drops them when the pass ends. When the blocks run inside non-reentrant
@@ -54,7 +55,7 @@ import itertools
 import math
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -150,7 +151,7 @@ class ConnectivityRouter(nn.Module):
         impl: Impl = "auto",
     ) -> None:
         super().__init__()
-        if impl not in ("auto", "triton", "torch"):
+        if impl not in get_args(Impl):
             raise InputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise InputError(f"num_layers must be a positive integer, got {num_layers!r}")

@@ -203,7 +203,9 @@ def check_routed_sum(device: str, tokens: int, hidden: int) -> list[str]:
                 ]
                 leaves += [x.to(run_device, run_dtype) for x in exact]
                 leaves = [t.requires_grad_() for t in leaves]
-                out = routed_sum(leaves[1:], leaves[0], impl="torch" if impl != "triton" else impl)
+                out = routed_sum(
+                    leaves[1:], leaves[0], impl="triton" if impl == "triton" else "torch"
+                )
                 grads = torch.autograd.grad(out, leaves[:2], grad.to(run_device, run_dtype))
                 runs[impl] = [t.detach().double().cpu() for t in (out, grads[1], grads[0])]
             cells = []

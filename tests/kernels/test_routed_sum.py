@@ -25,9 +25,10 @@ LAYOUTS = {
 }
 
 
-def _inputs(shape, width, n, dtype=torch.float64):
-    states = [torch.randn(shape, dtype=dtype, device=DEVICE) for _ in range(n)]
-    coeffs = torch.randn((n,) if width is None else (n, width), dtype=dtype, device=DEVICE)
+def _inputs(shape, width, n):
+    """``n`` float64 states and their coefficients (``width`` None: one per state, 1-D)."""
+    states = [torch.randn(shape, dtype=torch.float64, device=DEVICE) for _ in range(n)]
+    coeffs = torch.randn((n,) if width is None else (n, width), dtype=torch.float64, device=DEVICE)
     return states, coeffs
 
 
