@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ada_modules.errors import InputError
-from ada_modules.nn.ancre import ConnectivityRouter, find_routers
+from ada_modules.nn.ancre import find_routers
+from ada_modules.nn.ancre_router import ConnectivityRouter
 
 __all__ = ["ConnectivityMonitor", "render_connectivity"]
 
@@ -47,7 +48,7 @@ def render_connectivity(matrix: torch.Tensor, title: str = "") -> np.ndarray:
 class ConnectivityMonitor(Callback):
     """Every ``every_n_steps`` training steps, logs each router's connectivity matrix.
 
-    For every :class:`~ada_modules.nn.ancre.ConnectivityRouter` in the LightningModule (named by
+    For every :class:`~ada_modules.nn.ancre_router.ConnectivityRouter` in the LightningModule (named by
     its module path, e.g. ``model.model.connectivity``) it logs, through each of the trainer's
     loggers (like ``LearningRateMonitor``), the entropy (nats) of each layer's normalised coefficient row as
     ``connectivity/<router>/entropy_<i>`` and their mean as ``connectivity/<router>/entropy``,

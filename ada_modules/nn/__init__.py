@@ -10,7 +10,6 @@ from ada_modules.nn.anca import (
 )
 from ada_modules.nn.ancre import (
     ANCReStack,
-    ConnectivityRouter,
     RoutedBlock,
     export_hard,
     find_routers,
@@ -23,6 +22,7 @@ from ada_modules.nn.ancre_adapters import (
     wrap_hf_decoder,
     wrap_timm,
 )
+from ada_modules.nn.ancre_router import ConnectivityRouter
 from ada_modules.nn.image_prefix_lm import ImagePrefixLM
 from ada_modules.nn.moe import MoELayer, Routing, StackedExperts, load_balancing_loss
 from ada_modules.nn.multistream import (

@@ -1,7 +1,7 @@
 """Learned residual connectivity (ANCRe) on existing models: HF decoders, timm, diffusers DiT.
 
 Each adapter replaces the blocks of a model in place by :class:`~ada_modules.nn.ancre.RoutedBlock`
-wrappers and registers one :class:`~ada_modules.nn.ancre.ConnectivityRouter` on the model, without
+wrappers and registers one :class:`~ada_modules.nn.ancre_router.ConnectivityRouter` on the model, without
 copying or forking the model's code: its own loop over its layers runs the routed stack. At init
 the wrapped model computes exactly what it computed before (modes ``"source"``, ``"input"``,
 ``"denseformer"``). Wrap after loading weights: the wrapped blocks' parameters are renamed
@@ -34,7 +34,8 @@ from torch import nn
 
 from ada_modules.errors import InputError
 from ada_modules.kernels import Impl
-from ada_modules.nn.ancre import MODES, ANCReStack, ConnectivityRouter, Mode, wrap_module_list
+from ada_modules.nn.ancre import ANCReStack, wrap_module_list
+from ada_modules.nn.ancre_router import MODES, ConnectivityRouter, Mode
 
 __all__ = [
     "ConnectivityWrapper",
@@ -61,7 +62,7 @@ def wrap_hf_decoder(model: nn.Module, **router_kwargs: Any) -> nn.Module:
 
     Args:
         model: E.g. ``LlamaForCausalLM(config)``.
-        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre.ConnectivityRouter`
+        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`
             (``num_channels`` and ``channel_dim`` are filled in for ``per_channel=True``).
 
     Raises:
@@ -142,7 +143,7 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
 
     Args:
         model: E.g. ``timm.create_model("resnet18", pretrained=False)``.
-        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre.ConnectivityRouter`.
+        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
 
     Raises:
         TypeError: If the model is neither ViT-like nor a ResNet.
@@ -201,7 +202,7 @@ def wrap_diffusers_dit(model: nn.Module, **router_kwargs: Any) -> nn.Module:
 
     Args:
         model: A model with a ``transformer_blocks`` ``nn.ModuleList`` and ``inner_dim``.
-        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre.ConnectivityRouter`.
+        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
 
     Raises:
         TypeError: If the model has no ``transformer_blocks``.
@@ -231,7 +232,7 @@ class ConnectivityWrapper:
     ``mode="residual"`` leaves the model untouched.
 
     Args:
-        mode: Layout, see :class:`~ada_modules.nn.ancre.ConnectivityRouter`.
+        mode: Layout, see :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
         temperature: Softmax temperature of the routing.
         final_temperature: If given, anneal the temperature to this value.
         anneal_steps: Training steps of the annealing.
@@ -350,7 +351,7 @@ class MLPResNet(ANCReStack):
         depth: Number of residual blocks.
         expansion: Hidden width of each block as a multiple of ``width``.
         norm: Begin each branch with a ``LayerNorm`` (``False``: no normalisation anywhere).
-        mode: Layout, see :class:`~ada_modules.nn.ancre.ConnectivityRouter`.
+        mode: Layout, see :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
         temperature: Softmax temperature of the routing.
         final_temperature: If given, anneal the temperature to this value.
         anneal_steps: Training steps of the annealing.
