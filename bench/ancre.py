@@ -26,9 +26,11 @@ median of 15 rounds of 5 passes).
 ``--curves DIR [DIR ...]`` instead reads finished ``ada sweep`` folders (the CSV logs of each
 run), prints, per variant, the steps until ``--metric`` first reaches ``--curve-threshold``
 (default: the ``residual`` variant's mean final value, i.e. the steps to reach the baseline's final
-quality), its final value and the median of its second half (mean ± std over seeds), and plots
-the mean curve per variant to ``--out/<sweep>_curve.png`` (``--variants`` restricts both to the
-variants named). ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual`` (mean over
+quality), its final value and the median of its second half (mean ± std over seeds), the final
+value minus the ``--baseline`` variant's on the same seed (mean ± std of these paired
+differences, and on how many seeds it is lower; default baseline ``residual``), and plots the mean
+curve per variant to ``--out/<sweep>_curve.png`` (``--variants`` restricts both to the variants
+named). ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual`` (mean over
 seeds) of the ``--variant`` runs' final checkpoints (default ``ancre_source``; give
 ``--lr-scale`` for a variant trained with one) to ``--out/connectivity_<variant>.png``.
 
@@ -285,15 +287,17 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
     for folder in args.curves:
         folder = Path(folder)
         runs = folder / "runs"
-        curves = {}
+        curves, by_seed = {}, {}
         for variant_dir in sorted(p for p in runs.iterdir() if p.is_dir()):
-            found = [
-                _read_curve(seed_dir, args.metric)
-                for seed_dir in sorted(variant_dir.glob("seed_*"))
-            ]
+            found = {
+                d.name: _read_curve(d, args.metric) for d in sorted(variant_dir.glob("seed_*"))
+            }
+            found = {seed: c for seed, c in found.items() if c}
             wanted = not args.variants or variant_dir.name in args.variants
-            if wanted and any(found):
-                curves[variant_dir.name] = [c for c in found if c]
+            if wanted and found:
+                curves[variant_dir.name] = list(found.values())
+                by_seed[variant_dir.name] = {seed: c[-1][1] for seed, c in found.items()}
+        baseline = by_seed.get(args.baseline, {})
         threshold = args.curve_threshold
         if threshold is None:
             if "residual" not in curves:
@@ -304,9 +308,9 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
         print(f"\n### {folder.name}: {args.metric}, threshold {threshold:.4g}\n")
         print(
             f"| variant | seeds | steps to {args.metric} <= {threshold:.4g} (per seed) | final "
-            "| median over the second half |"
+            f"| median over the second half | final − {args.baseline}'s, same seed | lower on |"
         )
-        print("|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         fig, ax = plt.subplots(figsize=(6, 4))
         for variant, runs_curves in curves.items():
             # Lightning logs the validation after step n at step n - 1.
@@ -318,9 +322,14 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
             finals = [c[-1][1] for c in runs_curves]
             # A noisy curve's level: the median of its points after half of its steps.
             late = [statistics.median(v for s, v in c if s >= c[-1][0] / 2) for c in runs_curves]
+            paired = [
+                v - baseline[seed] for seed, v in by_seed[variant].items() if seed in baseline
+            ]
+            lower = sum(d < 0 for d in paired)
             print(
                 f"| {variant} | {len(runs_curves)} | {', '.join(label)} | {_fmt(finals, 4)} "
-                f"| {_fmt(late, 4)} |"
+                f"| {_fmt(late, 4)} | {_fmt(paired, 4) if paired else '-'} "
+                f"| {f'{lower}/{len(paired)}' if paired else '-'} |"
             )
             steps = sorted({s for c in runs_curves for s, _ in c})
             mean = [statistics.mean(dict(c).get(s, math.nan) for c in runs_curves) for s in steps]
@@ -333,6 +342,7 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                     "hits": hits,
                     "final": finals,
                     "second_half_median": late,
+                    "minus_baseline": paired,
                 }
             )
         ax.set_xlabel("step")
@@ -393,6 +403,11 @@ def main() -> None:
     parser.add_argument("--curves", nargs="*", default=None, help="sweep folders to read")
     parser.add_argument("--metric", default="val/loss")
     parser.add_argument("--variants", nargs="*", default=None, help="with --curves: only these")
+    parser.add_argument(
+        "--baseline",
+        default="residual",
+        help="with --curves: the variant of the paired differences",
+    )
     parser.add_argument("--overhead", action="store_true", help="only the overhead table")
     parser.add_argument("--variant", default="ancre_source", help="with --connectivity")
     parser.add_argument("--lr-scale", type=float, default=1.0, help="the variant's lr_scale")
