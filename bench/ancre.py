@@ -28,9 +28,9 @@ run), prints, per variant, the steps until ``--metric`` first reaches ``--curve-
 (default: the ``residual`` variant's mean final value, i.e. the steps to reach the baseline's final
 quality), its final value and the median of its second half (mean ± std over seeds), the final
 value minus the ``--baseline`` variant's on the same seed (mean ± std of these paired
-differences, and on how many seeds it is lower; default baseline ``residual``), and plots the mean
-curve per variant to ``--out/<sweep>_curve.png`` (``--variants`` restricts both to the variants
-named). ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual`` (mean over
+differences, and on how many seeds it is lower; default baseline ``residual``; ``--by-step``
+adds the same paired differences at every logged step), and plots the mean curve per variant to
+``--out/<sweep>_curve.png`` (``--variants`` restricts both to the variants named). ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual`` (mean over
 seeds) of the ``--variant`` runs' final checkpoints (default ``ancre_source``; give
 ``--lr-scale`` for a variant trained with one) to ``--out/connectivity_<variant>.png``.
 
@@ -277,6 +277,31 @@ def _read_curve(run_dir: Path, metric: str) -> list[tuple[int, float]]:
     return sorted(points)
 
 
+def _print_by_step(
+    by_seed: dict[str, dict[str, list[tuple[int, float]]]], baseline: str, metric: str
+) -> None:
+    """Per logged step: each variant's mean, and its value minus the baseline's on the same seed
+    (mean ± std over seeds, and on how many seeds it is lower)."""
+    base = {seed: dict(c) for seed, c in by_seed[baseline].items()}
+    steps = sorted({s for c in base.values() for s in c})
+    print(f"\n{metric} by step: mean over seeds (minus {baseline}'s on the same seed; lower on)\n")
+    print("| variant | " + " | ".join(str(s + 1) for s in steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    for variant, runs in by_seed.items():
+        cells = []
+        for step in steps:
+            values = {seed: dict(c)[step] for seed, c in runs.items() if step in dict(c)}
+            paired = [
+                v - base[seed][step] for seed, v in values.items() if step in base.get(seed, {})
+            ]
+            cell = f"{statistics.mean(values.values()):.3f}" if values else "-"
+            if variant != baseline and len(paired) > 1:
+                lower = sum(d < 0 for d in paired)
+                cell += f" ({_fmt(paired, 2)}; {lower}/{len(paired)})"
+            cells.append(cell)
+        print(f"| {variant} | " + " | ".join(cells) + " |")
+
+
 def run_curves(args: argparse.Namespace) -> list[dict]:
     """Steps-to-threshold and mean curves from finished sweep folders.
 
@@ -296,8 +321,8 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
             wanted = not args.variants or variant_dir.name in args.variants
             if wanted and found:
                 curves[variant_dir.name] = list(found.values())
-                by_seed[variant_dir.name] = {seed: c[-1][1] for seed, c in found.items()}
-        baseline = by_seed.get(args.baseline, {})
+                by_seed[variant_dir.name] = found
+        baseline = {seed: c[-1][1] for seed, c in by_seed.get(args.baseline, {}).items()}
         threshold = args.curve_threshold
         if threshold is None:
             if "residual" not in curves:
@@ -323,7 +348,9 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
             # A noisy curve's level: the median of its points after half of its steps.
             late = [statistics.median(v for s, v in c if s >= c[-1][0] / 2) for c in runs_curves]
             paired = [
-                v - baseline[seed] for seed, v in by_seed[variant].items() if seed in baseline
+                c[-1][1] - baseline[seed]
+                for seed, c in by_seed[variant].items()
+                if seed in baseline
             ]
             lower = sum(d < 0 for d in paired)
             print(
@@ -345,6 +372,8 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                     "minus_baseline": paired,
                 }
             )
+        if args.by_step and args.baseline in by_seed:
+            _print_by_step(by_seed, args.baseline, args.metric)
         ax.set_xlabel("step")
         ax.set_ylabel(f"{args.metric} (mean over seeds)")
         ax.set_yscale("log")
@@ -407,6 +436,9 @@ def main() -> None:
         "--baseline",
         default="residual",
         help="with --curves: the variant of the paired differences",
+    )
+    parser.add_argument(
+        "--by-step", action="store_true", help="with --curves: paired differences at every step"
     )
     parser.add_argument("--overhead", action="store_true", help="only the overhead table")
     parser.add_argument("--variant", default="ancre_source", help="with --connectivity")
