@@ -30,9 +30,10 @@ quality), its final value and the median of its second half (mean ± std over se
 value minus the ``--baseline`` variant's on the same seed (mean ± std of these paired
 differences, and on how many seeds it is lower; default baseline ``residual``; ``--by-step``
 adds the same paired differences at every logged step), and plots the mean curve per variant to
-``--out/<sweep>_curve.png`` (``--variants`` restricts both to the variants named). ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual`` (mean over
-seeds) of the ``--variant`` runs' final checkpoints (default ``ancre_source``; give
-``--lr-scale`` for a variant trained with one) to ``--out/connectivity_<variant>.png``.
+``--out/<sweep>_curve.png`` (``--variants`` restricts both to the variants named).
+``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual`` (mean over seeds) of the
+``--variant`` runs' final checkpoints (default ``ancre_source``; give ``--lr-scale`` for a variant
+trained with one) to ``--out/connectivity_<variant>.png``.
 
 Runs on one thread. Writes ``ancre.json`` (and ``deep_linear.png``, the loss curves of seed 0) to
 ``--out``. Reports only; no assertion on the numbers.
@@ -278,11 +279,14 @@ def _read_curve(run_dir: Path, metric: str) -> list[tuple[int, float]]:
 
 
 def _print_by_step(
-    by_seed: dict[str, dict[str, list[tuple[int, float]]]], baseline: str, metric: str
+    by_seed: dict[str, dict[str, list[tuple[int, float]]]],
+    base_runs: dict[str, list[tuple[int, float]]],
+    baseline: str,
+    metric: str,
 ) -> None:
     """Per logged step: each variant's mean, and its value minus the baseline's on the same seed
     (mean ± std over seeds, and on how many seeds it is lower)."""
-    base = {seed: dict(c) for seed, c in by_seed[baseline].items()}
+    base = {seed: dict(c) for seed, c in base_runs.items()}
     steps = sorted({s for c in base.values() for s in c})
     print(f"\n{metric} by step: mean over seeds (minus {baseline}'s on the same seed; lower on)\n")
     print("| variant | " + " | ".join(str(s + 1) for s in steps) + " |")
@@ -312,17 +316,22 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
     for folder in args.curves:
         folder = Path(folder)
         runs = folder / "runs"
-        curves, by_seed = {}, {}
+        curves, by_seed, base_runs = {}, {}, {}
         for variant_dir in sorted(p for p in runs.iterdir() if p.is_dir()):
             found = {
                 d.name: _read_curve(d, args.metric) for d in sorted(variant_dir.glob("seed_*"))
             }
             found = {seed: c for seed, c in found.items() if c}
+            if variant_dir.name == args.baseline:  # whether or not --variants lists it
+                base_runs = found
             wanted = not args.variants or variant_dir.name in args.variants
             if wanted and found:
                 curves[variant_dir.name] = list(found.values())
                 by_seed[variant_dir.name] = found
-        baseline = {seed: c[-1][1] for seed, c in by_seed.get(args.baseline, {}).items()}
+        if not base_runs:
+            print(f"\n(no runs of --baseline {args.baseline} in {folder}: no paired differences)")
+        # Paired at the baseline's last logged step, on the same seed.
+        base_final = {seed: c[-1] for seed, c in base_runs.items()}
         threshold = args.curve_threshold
         if threshold is None:
             if "residual" not in curves:
@@ -347,11 +356,12 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
             finals = [c[-1][1] for c in runs_curves]
             # A noisy curve's level: the median of its points after half of its steps.
             late = [statistics.median(v for s, v in c if s >= c[-1][0] / 2) for c in runs_curves]
-            paired = [
-                c[-1][1] - baseline[seed]
-                for seed, c in by_seed[variant].items()
-                if seed in baseline
-            ]
+            paired = []
+            if variant != args.baseline:
+                for seed, c in by_seed[variant].items():
+                    step, base_value = base_final.get(seed, (None, None))
+                    if step is not None and step in dict(c):
+                        paired.append(dict(c)[step] - base_value)
             lower = sum(d < 0 for d in paired)
             print(
                 f"| {variant} | {len(runs_curves)} | {', '.join(label)} | {_fmt(finals, 4)} "
@@ -372,8 +382,8 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                     "minus_baseline": paired,
                 }
             )
-        if args.by_step and args.baseline in by_seed:
-            _print_by_step(by_seed, args.baseline, args.metric)
+        if args.by_step and base_runs:
+            _print_by_step(by_seed, base_runs, args.baseline, args.metric)
         ax.set_xlabel("step")
         ax.set_ylabel(f"{args.metric} (mean over seeds)")
         ax.set_yscale("log")

@@ -48,13 +48,13 @@ def render_connectivity(matrix: torch.Tensor, title: str = "") -> np.ndarray:
 class ConnectivityMonitor(Callback):
     """Every ``every_n_steps`` training steps, logs each router's connectivity matrix.
 
-    For every :class:`~ada_modules.nn.ancre_router.ConnectivityRouter` in the LightningModule (named by
-    its module path, e.g. ``model.model.connectivity``) it logs, through each of the trainer's
-    loggers (like ``LearningRateMonitor``), the entropy (nats) of each layer's normalised coefficient row as
-    ``connectivity/<router>/entropy_<i>`` and their mean as ``connectivity/<router>/entropy``,
-    and, with ``log_images=True``, an image of the matrix: through ``logger.log_image`` (W&B),
-    ``logger.experiment.add_image`` (TensorBoard), or else as a PNG file in
-    ``<logger.log_dir or default_root_dir>/connectivity/``.
+    For every :class:`~ada_modules.nn.ancre_router.ConnectivityRouter` in the LightningModule
+    (named by its module path, e.g. ``model.model.connectivity``) it logs, through each of the
+    trainer's loggers (like ``LearningRateMonitor``), the entropy (nats) of each layer's normalised
+    coefficient row as ``connectivity/<router>/entropy_<i>`` and their mean as
+    ``connectivity/<router>/entropy``, and, with ``log_images=True``, an image of the matrix:
+    through ``logger.log_image`` (W&B), ``logger.experiment.add_image`` (TensorBoard), or else as
+    a PNG file in ``<logger.log_dir or default_root_dir>/connectivity/``.
 
     Args:
         every_n_steps: Logging period in optimizer steps.

@@ -1,9 +1,9 @@
 """ANCRe: learned residual connectivity over a stack of shape-preserving blocks.
 
 A stack of ``K`` blocks keeps its states ``x_0`` (the stack input) and ``x_1..x_K`` (the block
-outputs). A :class:`ConnectivityRouter` learns how earlier states feed each block; a
-:class:`RoutedBlock` wraps one block and asks the router for its input and its skip. The
-layouts (``mode``):
+outputs). A :class:`~ada_modules.nn.ancre_router.ConnectivityRouter` learns how earlier states
+feed each block; a :class:`RoutedBlock` wraps one block and asks the router for its input and its
+skip. The layouts (``mode``):
 
 - ``"source"`` (ANCRe, primary reading: shortcut-source routing). Block ``i`` keeps its branch
   and learns where its shortcut comes from:
@@ -80,7 +80,7 @@ class RoutedBlock(nn.Module):
         block: The wrapped block; ``block(x, *args, **kwargs)`` returns a tensor shaped like
             ``x`` (or a tuple whose first element is).
         index: Position of the block in the stack.
-        router: The stack's :class:`ConnectivityRouter`.
+        router: The stack's :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
 
     Examples:
         >>> router = ConnectivityRouter(1, mode="rezero", residual_in_block=False)
@@ -142,7 +142,8 @@ def wrap_module_list(
             would then call or iterate it).
         name: Attribute name of the router on ``owner``.
         start: Index of the first block to route (earlier blocks are left as they are).
-        **router_kwargs: Arguments of :class:`ConnectivityRouter` (``mode``, ``temperature``, ...).
+        **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`
+            (``mode``, ``temperature``, ...).
 
     Returns:
         The router.
@@ -178,13 +179,15 @@ class ANCReStack(nn.Module):
     """A stack of shape-preserving blocks with learned residual connectivity.
 
     ``ANCReStack(blocks, mode=...)`` behaves like running the blocks in sequence, with the
-    layout chosen by ``mode`` (see :class:`ConnectivityRouter`); at init, ``"source"``,
-    ``"input"`` and ``"denseformer"`` compute bitwise the same outputs as ``"residual"``.
+    layout chosen by ``mode`` (see :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`); at
+    init, ``"source"``, ``"input"`` and ``"denseformer"`` compute bitwise the same outputs as
+    ``"residual"``.
     ``forward(x, *args, **kwargs)`` passes the extra arguments to every block.
 
     Args:
         blocks: The blocks (any sequence of modules, e.g. an ``nn.ModuleList``).
-        **router_kwargs: Arguments of :class:`ConnectivityRouter` except ``num_layers``.
+        **router_kwargs: Arguments of
+            :class:`~ada_modules.nn.ancre_router.ConnectivityRouter` except ``num_layers``.
 
     Raises:
         ValueError: If ``blocks`` is empty, a router argument is out of range, or (in forward)
@@ -241,7 +244,9 @@ class ANCReStack(nn.Module):
 
 
 def find_routers(module: nn.Module) -> Iterator[tuple[str, ConnectivityRouter]]:
-    """``(name, router)`` for every :class:`ConnectivityRouter` inside ``module``.
+    """``(name, router)`` for every router inside ``module``.
+
+    The routers are :class:`~ada_modules.nn.ancre_router.ConnectivityRouter` modules.
 
     Examples:
         >>> stack = ANCReStack([nn.Linear(2, 2)], residual_in_block=False)

@@ -1,8 +1,9 @@
 """Learned residual connectivity (ANCRe) on existing models: HF decoders, timm, diffusers DiT.
 
-Each adapter replaces the blocks of a model in place by :class:`~ada_modules.nn.ancre.RoutedBlock`
-wrappers and registers one :class:`~ada_modules.nn.ancre_router.ConnectivityRouter` on the model, without
-copying or forking the model's code: its own loop over its layers runs the routed stack. At init
+Each adapter replaces the blocks of a model in place by
+:class:`~ada_modules.nn.ancre.RoutedBlock` wrappers and registers one
+:class:`~ada_modules.nn.ancre_router.ConnectivityRouter` on the model, without copying or forking
+the model's code: its own loop over its layers runs the routed stack. At init
 the wrapped model computes exactly what it computed before (modes ``"source"``, ``"input"``,
 ``"denseformer"``). Wrap after loading weights: the wrapped blocks' parameters are renamed
 ``<layer>.block.<name>``. Gradient checkpointing works with every adapter, switched on before or
