@@ -43,6 +43,18 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
+    def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # this program's (BLOCK_R, BLOCK_C) tile of the (n_rows, n_cols) view: indices, masks
+        # and element offsets
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        rmask = rows < n_rows
+        cmask = cols < n_cols
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows[:, None] * n_cols + cols[None, :]
+        return rows, cols, rmask, cmask, mask, offs
+
+    @triton.jit
     def _coefficient(c_ptr, j, n_coef, rows, cols, rmask, cmask, COEF_ON_ROWS: tl.constexpr):
         # (BLOCK_R, 1) coefficients of the rows (channels before the last dimension) or
         # (1, BLOCK_C) of the columns (channels last; n_coef = 1 for one coefficient per state)
@@ -78,12 +90,7 @@ if triton_available():
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        rmask = rows < n_rows
-        cmask = cols < n_cols
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows[:, None] * n_cols + cols[None, :]
+        rows, cols, rmask, cmask, mask, offs = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
         if ACCUMULATE:
             acc = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:
@@ -172,12 +179,7 @@ if triton_available():
         BLOCK_R: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        rmask = rows < n_rows
-        cmask = cols < n_cols
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows[:, None] * n_cols + cols[None, :]
+        rows, cols, rmask, cmask, mask, offs = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         args = (part_stride, n_coef, n_cols, rows, cols, rmask, cmask, offs, mask)
         _backward_term(g, x0, dx0, c_ptr, part_ptr, 0, *args, COEF_ON_ROWS, NEED_DC)
@@ -285,9 +287,11 @@ def _layout(shape: torch.Size, width: int, channel_dim: int) -> tuple[int, int, 
     return numel // max(cols, 1), cols, True
 
 
-def _blocks(n_cols: int) -> tuple[int, int]:
+def _launch(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int]]:
+    """``(BLOCK_R, BLOCK_C, grid)`` of the kernels for an ``(n_rows, n_cols)`` view."""
     block_c = min(max(triton.next_power_of_2(n_cols), 16), _MAX_BLOCK_C)
-    return _TILE // block_c, block_c
+    block_r = _TILE // block_c
+    return block_r, block_c, (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
 
 
 def _chunks(n: int) -> list[tuple[int, int]]:
@@ -308,8 +312,7 @@ def _forward_triton(
     # several launches add up in fp32; one launch writes the states' dtype directly
     out_dtype = like.dtype if len(chunks) == 1 else torch.float32
     out = torch.empty(like.shape, dtype=out_dtype, device=like.device)
-    block_r, block_c = _blocks(n_cols)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+    block_r, block_c, grid = _launch(n_rows, n_cols)
     for k, (start, stop) in enumerate(chunks):
         _routed_sum_forward_kernel[grid](
             out,
@@ -335,8 +338,7 @@ def _backward_triton(
     need_dc: bool,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     n_rows, n_cols, on_rows = layout
-    block_r, block_c = _blocks(n_cols)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+    block_r, block_c, grid = _launch(n_rows, n_cols)
     n = len(states)
     width = coeffs.shape[1]
     if on_rows:
