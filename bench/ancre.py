@@ -316,7 +316,7 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
     for folder in args.curves:
         folder = Path(folder)
         runs = folder / "runs"
-        curves, by_seed, base_runs = {}, {}, {}
+        by_seed, base_runs = {}, {}
         for variant_dir in sorted(p for p in runs.iterdir() if p.is_dir()):
             found = {
                 d.name: _read_curve(d, args.metric) for d in sorted(variant_dir.glob("seed_*"))
@@ -326,7 +326,6 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                 base_runs = found
             wanted = not args.variants or variant_dir.name in args.variants
             if wanted and found:
-                curves[variant_dir.name] = list(found.values())
                 by_seed[variant_dir.name] = found
         if not base_runs:
             print(f"\n(no runs of --baseline {args.baseline} in {folder}: no paired differences)")
@@ -334,11 +333,11 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
         base_final = {seed: c[-1] for seed, c in base_runs.items()}
         threshold = args.curve_threshold
         if threshold is None:
-            if "residual" not in curves:
+            if "residual" not in by_seed:
                 raise SystemExit(
                     "--curve-threshold is needed when the residual variant is left out"
                 )
-            threshold = statistics.mean(c[-1][1] for c in curves["residual"])
+            threshold = statistics.mean(c[-1][1] for c in by_seed["residual"].values())
         print(f"\n### {folder.name}: {args.metric}, threshold {threshold:.4g}\n")
         print(
             f"| variant | seeds | steps to {args.metric} <= {threshold:.4g} (per seed) | final "
@@ -346,7 +345,8 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
         )
         print("|---|---|---|---|---|---|---|")
         fig, ax = plt.subplots(figsize=(6, 4))
-        for variant, runs_curves in curves.items():
+        for variant, runs in by_seed.items():
+            runs_curves = list(runs.values())
             # Lightning logs the validation after step n at step n - 1.
             hits = [next((s + 1 for s, v in c if v <= threshold), None) for c in runs_curves]
             label = [
@@ -358,7 +358,7 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
             late = [statistics.median(v for s, v in c if s >= c[-1][0] / 2) for c in runs_curves]
             paired = []
             if variant != args.baseline:
-                for seed, c in by_seed[variant].items():
+                for seed, c in runs.items():
                     step, base_value = base_final.get(seed, (None, None))
                     if step is not None and step in dict(c):
                         paired.append(dict(c)[step] - base_value)
