@@ -65,11 +65,14 @@ def build_causal_lm(
     max_position_embeddings: int = 4096,
     config_overrides: dict[str, Any] | None = None,
     attn_implementation: str | None = None,
+    decoder_norms: bool = True,
 ) -> PreTrainedModel:
     """A randomly initialised Hugging Face causal LM of ``architecture`` for ``tokenizer``'s ids.
 
     The config gets the tokenizer's vocabulary size and pad/bos/eos ids, then
     ``config_overrides`` (any config keyword) and ``attn_implementation`` when given.
+    ``decoder_norms=False`` replaces the two RMSNorms inside every decoder layer (before attention
+    and before the MLP) with identities; the final norm before the output head stays.
 
     Examples:
         >>> model = build_causal_lm(CharTokenizer(), "qwen2", hidden_size=32, num_layers=1,
@@ -93,7 +96,14 @@ def build_causal_lm(
     config_kwargs.update(config_overrides or {})
     if attn_implementation is not None:
         config_kwargs["attn_implementation"] = attn_implementation
-    return model_class(config_class(**config_kwargs))
+    if not isinstance(decoder_norms, bool):
+        raise InputError(f"decoder_norms must be True or False, got {decoder_norms!r}")
+    model = model_class(config_class(**config_kwargs))
+    if not decoder_norms:
+        for layer in model.model.layers:
+            layer.input_layernorm = nn.Identity()
+            layer.post_attention_layernorm = nn.Identity()
+    return model
 
 
 class CausalLMModule(LightningModule):
@@ -132,6 +142,8 @@ class CausalLMModule(LightningModule):
         attn_implementation: Attention function name for the Hugging Face config (``"eager"``,
             ``"sdpa"`` or one registered with ``transformers.AttentionInterface``); ``None`` keeps
             the transformers default.
+        decoder_norms: ``False`` builds the decoder layers without their RMSNorms (the final norm
+            before the output head stays), e.g. to study depth without normalisation.
         cache_factory: Called as ``cache_factory(config=model.config)`` to make a fresh
             ``transformers.Cache`` for each ``generate`` call; ``None`` lets ``generate`` choose.
         optimizer: Builds the optimizer from parameter groups.
@@ -194,6 +206,7 @@ class CausalLMModule(LightningModule):
         max_position_embeddings: int = 4096,
         config_overrides: dict[str, Any] | None = None,
         attn_implementation: str | None = None,
+        decoder_norms: bool = True,
         cache_factory: Callable[[PreTrainedConfig], Cache] | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -258,6 +271,7 @@ class CausalLMModule(LightningModule):
             max_position_embeddings,
             config_overrides,
             attn_implementation,
+            decoder_norms,
         )
         if model_wrapper is not None:
             model_wrapper(self.model)

@@ -267,6 +267,7 @@ def test_load_from_checkpoint_round_trip(seed, datamodule, tmp_path, cpu_trainer
         ({"num_kv_heads": 3}, "num_kv_heads"),
         ({"num_layers": 0}, "num_layers"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"decoder_norms": "no"}, "decoder_norms"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, name):
