@@ -49,19 +49,25 @@ class Summary:
         mean: Mean of the finite values, or ``None`` when there are none.
         std: Sample standard deviation (``None`` with fewer than two values).
         n: Number of finite values.
+        not_finite: Number of runs whose value is NaN or infinite (e.g. a diverged training run):
+            left out of ``mean`` and ``std``, and said by :meth:`text`.
     """
 
     mean: float | None
     std: float | None
     n: int
+    not_finite: int = 0
 
     def text(self) -> str:
-        """``mean ± std``, the mean alone for one value, ``–`` for none."""
+        """``mean ± std``, the mean alone for one value, ``–`` for none; then how many runs had a
+        value that is not finite, if any (``1.34 ± 0.01 (4 not finite)``)."""
         if self.mean is None:
-            return "–"
-        if self.std is None:
-            return _number(self.mean)
-        return f"{_number(self.mean)} ± {_number(self.std)}"
+            text = "–"
+        elif self.std is None:
+            text = _number(self.mean)
+        else:
+            text = f"{_number(self.mean)} ± {_number(self.std)}"
+        return f"{text} ({self.not_finite} not finite)" if self.not_finite else text
 
 
 def file_name(name: str) -> str:
@@ -78,7 +84,7 @@ def file_name(name: str) -> str:
 def summarize(
     records: Sequence[RunRecord], metrics: Sequence[Metric], order: Sequence[str] = ()
 ) -> dict[str, dict[str, Summary]]:
-    """Mean and std of each metric per variant, over the successful runs.
+    """Mean and std of each metric per variant, over the successful runs' finite values.
 
     Args:
         records: Run records (failed ones are ignored).
@@ -101,11 +107,13 @@ def summarize(
         ok = [r for r in records if r.variant == variant and r.status == "ok"]
         table[variant] = {}
         for metric in metrics:
-            values = [r.metrics.get(metric.name) for r in ok]
-            finite = [float(v) for v in values if v is not None and math.isfinite(v)]
+            # A run's metrics file writes NaN and infinity as null: a logged name with no
+            # number is a value that was not finite.
+            logged = [r.metrics[metric.name] for r in ok if metric.name in r.metrics]
+            finite = [float(v) for v in logged if v is not None and math.isfinite(v)]
             mean = statistics.fmean(finite) if finite else None
             std = statistics.stdev(finite) if len(finite) > 1 else None
-            table[variant][metric.name] = Summary(mean, std, len(finite))
+            table[variant][metric.name] = Summary(mean, std, len(finite), len(logged) - len(finite))
     return table
 
 
@@ -115,7 +123,9 @@ def format_table(
     """A markdown table: one row per variant, ``mean ± std`` per metric, the best mean in bold.
 
     The ``runs ok`` column counts successful runs of all runs of the variant; a header arrow
-    says whether higher (↑) or lower (↓) is better. Equal best means are all bold.
+    says whether higher (↑) or lower (↓) is better. Equal best means are all bold. A cell whose
+    runs include NaN or infinite values (a diverged run completes as ``ok``) says how many, and
+    is bold only if every variant has such runs: its mean is over the runs that survived.
 
     Example::
 
@@ -218,10 +228,11 @@ def metric_figure(summaries: dict[str, dict[str, Summary]], metric: Metric) -> F
     positions = range(len(rows))
     axes.errorbar(positions, means, yerr=errors, fmt="none", ecolor="0.3", capsize=4, zorder=1)
     axes.scatter(positions, means, c=colors, s=40, zorder=2)
-    for x, mean in zip(positions, means, strict=True):
+    for x, (_, summary) in zip(positions, rows, strict=True):
+        diverged = f" ({summary.not_finite} not finite)" if summary.not_finite else ""
         axes.annotate(
-            _number(mean),
-            (x, mean),
+            _number(summary.mean) + diverged,
+            (x, summary.mean),
             xytext=(6, 0),
             textcoords="offset points",
             va="center",
@@ -269,8 +280,9 @@ def y_range(
 
 
 def _best(summaries: dict[str, dict[str, Summary]], metric: Metric) -> float | None:
-    means = [row[metric.name].mean for row in summaries.values()]
-    means = [m for m in means if m is not None]
+    """The best mean; a variant with non-finite runs counts only if every variant has some."""
+    cells = [row[metric.name] for row in summaries.values() if row[metric.name].mean is not None]
+    means = [c.mean for c in cells if not c.not_finite] or [c.mean for c in cells]
     if not means:
         return None
     return max(means) if metric.mode == "max" else min(means)

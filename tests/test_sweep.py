@@ -343,9 +343,26 @@ def test_mean_std_table_with_bold_best():
             "| large | 2/3 | **0.9 ± 0** | 4 ± 1.414 |",
             "| small | 2/2 | 0.6 ± 0.1414 | 1.5 ± 0.7071 |",
             "| broken | 0/1 | – | – |",
-            "| nan | 1/1 | – | **1** |",
+            "| nan | 1/1 | – (1 not finite) | **1** |",
         ]
     )
+
+
+def test_a_diverged_run_is_counted_not_averaged():
+    records = [
+        record("deep", 0, {"val/loss": 1.3}),
+        record("deep", 1, {"val/loss": 1.5}),
+        record("deep", 2, {"val/loss": float("nan")}),
+        record("deep", 3, {"val/loss": None}),  # how a metrics file holds NaN and infinity
+        record("shallow", 0, {"val/loss": 1.45}),
+    ]
+    metrics = [Metric("val/loss", "min")]
+    deep = summarize(records, metrics)["deep"]["val/loss"]
+    assert (deep.mean, deep.n, deep.not_finite) == (pytest.approx(1.4), 2, 2)
+    assert format_table(records, metrics).splitlines()[2:] == [
+        "| deep | 4/4 | 1.4 ± 0.1414 (2 not finite) |",
+        "| shallow | 1/1 | **1.45** |",  # the best of the runs that did not diverge
+    ]
 
 
 def test_plots_one_png_per_metric_with_safe_names(tmp_path):
