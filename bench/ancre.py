@@ -120,6 +120,8 @@ def deep_linear(
 
 
 def _fmt(values: list[float], digits: int = 3) -> str:
+    if not values:
+        return "-"
     if len(values) == 1:
         return f"{values[0]:.{digits}g}"
     return f"{statistics.mean(values):.{digits}g} ± {statistics.stdev(values):.{digits}g}"
@@ -285,7 +287,8 @@ def _print_by_step(
     metric: str,
 ) -> None:
     """Per logged step: each variant's mean, and its value minus the baseline's on the same seed
-    (mean ± std over seeds, and on how many seeds it is lower)."""
+    (mean ± std over seeds, and on how many seeds it is lower). Non-finite values (a diverged
+    run) are counted and left out of both."""
     base = {seed: dict(c) for seed, c in base_runs.items()}
     steps = sorted({s for c in base.values() for s in c})
     print(f"\n{metric} by step: mean over seeds (minus {baseline}'s on the same seed; lower on)\n")
@@ -295,14 +298,36 @@ def _print_by_step(
         cells = []
         for step in steps:
             values = {seed: dict(c)[step] for seed, c in runs.items() if step in dict(c)}
+            finite = {seed: v for seed, v in values.items() if math.isfinite(v)}
             paired = [
-                v - base[seed][step] for seed, v in values.items() if step in base.get(seed, {})
+                v - base[seed][step]
+                for seed, v in finite.items()
+                if math.isfinite(base.get(seed, {}).get(step, math.nan))
             ]
-            cell = f"{statistics.mean(values.values()):.3f}" if values else "-"
+            cell = f"{statistics.mean(finite.values()):.3f}" if finite else "-"
+            if len(finite) < len(values):
+                cell += f" [{len(values) - len(finite)} not finite]"
             if variant != baseline and len(paired) > 1:
                 lower = sum(d < 0 for d in paired)
                 cell += f" ({_fmt(paired, 2)}; {lower}/{len(paired)})"
             cells.append(cell)
+        print(f"| {variant} | " + " | ".join(cells) + " |")
+
+
+def _print_per_seed(by_seed: dict[str, dict[str, list[tuple[int, float]]]], metric: str) -> None:
+    """Each run's final value, or the first logged step at which it was not finite."""
+    seeds = sorted({seed for runs in by_seed.values() for seed in runs})
+    print(f"\n{metric} per seed: final value, or the first step it was not finite\n")
+    print("| variant | " + " | ".join(seeds) + " |")
+    print("|---|" + "---|" * len(seeds))
+    for variant, runs in by_seed.items():
+        cells = []
+        for seed in seeds:
+            curve = runs.get(seed, [])
+            bad = next((s + 1 for s, v in curve if not math.isfinite(v)), None)
+            cells.append(
+                "-" if not curve else f"{curve[-1][1]:.3f}" if bad is None else f"NaN@{bad}"
+            )
         print(f"| {variant} | " + " | ".join(cells) + " |")
 
 
@@ -311,6 +336,8 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
 
     The threshold is ``--curve-threshold`` if given, else the mean final value of the
     ``residual`` variant: the steps each layout needs to reach the baseline's final quality.
+    A run whose final value is not finite has diverged: it is counted, and the statistics are
+    over the other runs.
     """
     summary = []
     for folder in args.curves:
@@ -337,13 +364,17 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                 raise SystemExit(
                     "--curve-threshold is needed when the residual variant is left out"
                 )
-            threshold = statistics.mean(c[-1][1] for c in by_seed["residual"].values())
+            finals = [c[-1][1] for c in by_seed["residual"].values() if math.isfinite(c[-1][1])]
+            if not finals:
+                raise SystemExit("residual diverged on every seed: give --curve-threshold")
+            threshold = statistics.mean(finals)
         print(f"\n### {folder.name}: {args.metric}, threshold {threshold:.4g}\n")
         print(
-            f"| variant | seeds | steps to {args.metric} <= {threshold:.4g} (per seed) | final "
-            f"| median over the second half | final − {args.baseline}'s, same seed | lower on |"
+            f"| variant | seeds | diverged | steps to {args.metric} <= {threshold:.4g} (per seed) "
+            f"| final | median over the second half | final − {args.baseline}'s, same seed "
+            "| lower on |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|")
         fig, ax = plt.subplots(figsize=(6, 4))
         for variant, runs in by_seed.items():
             runs_curves = list(runs.values())
@@ -354,23 +385,30 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                 for h, c in zip(hits, runs_curves, strict=True)
             ]
             finals = [c[-1][1] for c in runs_curves]
+            converged = [c for c in runs_curves if math.isfinite(c[-1][1])]
             # A noisy curve's level: the median of its points after half of its steps.
-            late = [statistics.median(v for s, v in c if s >= c[-1][0] / 2) for c in runs_curves]
+            late = [statistics.median(v for s, v in c if s >= c[-1][0] / 2) for c in converged]
             paired = []
             if variant != args.baseline:
                 for seed, c in runs.items():
-                    step, base_value = base_final.get(seed, (None, None))
-                    if step is not None and step in dict(c):
-                        paired.append(dict(c)[step] - base_value)
+                    step, base_value = base_final.get(seed, (None, math.nan))
+                    value = dict(c).get(step, math.nan)
+                    if math.isfinite(value) and math.isfinite(base_value):
+                        paired.append(value - base_value)
             lower = sum(d < 0 for d in paired)
             print(
-                f"| {variant} | {len(runs_curves)} | {', '.join(label)} | {_fmt(finals, 4)} "
-                f"| {_fmt(late, 4)} | {_fmt(paired, 4) if paired else '-'} "
+                f"| {variant} | {len(runs_curves)} | {len(runs_curves) - len(converged)} "
+                f"| {', '.join(label)} | {_fmt([f for f in finals if math.isfinite(f)], 4)} "
+                f"| {_fmt(late, 4)} | {_fmt(paired, 4)} "
                 f"| {f'{lower}/{len(paired)}' if paired else '-'} |"
             )
-            steps = sorted({s for c in runs_curves for s, _ in c})
-            mean = [statistics.mean(dict(c).get(s, math.nan) for c in runs_curves) for s in steps]
-            ax.plot([s + 1 for s in steps], mean, marker=".", label=variant)
+            # The mean curve of the runs that did not diverge.
+            if converged:
+                steps = sorted({s for c in converged for s, _ in c})
+                mean = [statistics.mean(dict(c).get(s, math.nan) for c in converged) for s in steps]
+                diverged = len(runs_curves) - len(converged)
+                label = variant + (f" ({diverged} diverged)" if diverged else "")
+                ax.plot([s + 1 for s in steps], mean, marker=".", label=label)
             summary.append(
                 {
                     "sweep": folder.name,
@@ -384,8 +422,11 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
             )
         if args.by_step and base_runs:
             _print_by_step(by_seed, base_runs, args.baseline, args.metric)
+        if args.by_step:
+            _print_per_seed(by_seed, args.metric)
         ax.set_xlabel("step")
-        ax.set_ylabel(f"{args.metric} (mean over seeds)")
+        diverged = any(not math.isfinite(c[-1][1]) for r in by_seed.values() for c in r.values())
+        ax.set_ylabel(f"{args.metric} (mean over {'finite runs' if diverged else 'seeds'})")
         ax.set_yscale("log")
         ax.legend()
         fig.tight_layout()
@@ -448,7 +489,9 @@ def main() -> None:
         help="with --curves: the variant of the paired differences",
     )
     parser.add_argument(
-        "--by-step", action="store_true", help="with --curves: paired differences at every step"
+        "--by-step",
+        action="store_true",
+        help="with --curves: paired differences at every step, and each seed's final value",
     )
     parser.add_argument("--overhead", action="store_true", help="only the overhead table")
     parser.add_argument("--variant", default="ancre_source", help="with --connectivity")
