@@ -314,9 +314,28 @@ def _print_by_step(
         print(f"| {variant} | " + " | ".join(cells) + " |")
 
 
+def fisher_exact_p(k1: int, n1: int, k2: int, n2: int) -> float:
+    """Two-sided Fisher exact test of ``k1`` of ``n1`` against ``k2`` of ``n2`` (e.g. diverged
+    runs): the probability, with the margins fixed, of a split at most as likely as this one.
+
+    >>> round(fisher_exact_p(4, 6, 1, 6), 4)
+    0.2424
+    """
+    total, n = k1 + k2, n1 + n2
+
+    def prob(x: int) -> float:
+        return math.comb(n1, x) * math.comb(n2, total - x) / math.comb(n, total)
+
+    observed = prob(k1)
+    splits = range(max(0, total - n2), min(total, n1) + 1)
+    return min(1.0, sum(prob(x) for x in splits if prob(x) <= observed * (1 + 1e-9)))
+
+
 def _print_per_seed(by_seed: dict[str, dict[str, list[tuple[int, float]]]], metric: str) -> None:
     """Each run's final value, or the first logged step at which it was not finite."""
-    seeds = sorted({seed for runs in by_seed.values() for seed in runs})
+    seeds = sorted(
+        {seed for runs in by_seed.values() for seed in runs}, key=lambda n: int(n.split("_")[-1])
+    )
     print(f"\n{metric} per seed: final value, or the first step it was not finite\n")
     print("| variant | " + " | ".join(seeds) + " |")
     print("|---|" + "---|" * len(seeds))
@@ -336,8 +355,8 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
 
     The threshold is ``--curve-threshold`` if given, else the mean final value of the
     ``residual`` variant: the steps each layout needs to reach the baseline's final quality.
-    A run whose final value is not finite has diverged: it is counted, and the statistics are
-    over the other runs.
+    A run whose final value is not finite has diverged: it is counted (with Fisher's exact test
+    against the ``residual`` variant's count), and the statistics are over the other runs.
     """
     summary = []
     for folder in args.curves:
@@ -375,6 +394,13 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
             "| lower on |"
         )
         print("|---|---|---|---|---|---|---|---|")
+        residual_diverged = None  # (diverged, runs) of the residual variant, for Fisher's test
+        if "residual" in by_seed:
+            residual_finals = [c[-1][1] for c in by_seed["residual"].values()]
+            residual_diverged = (
+                sum(not math.isfinite(v) for v in residual_finals),
+                len(residual_finals),
+            )
         fig, ax = plt.subplots(figsize=(6, 4))
         for variant, runs in by_seed.items():
             runs_curves = list(runs.values())
@@ -396,8 +422,17 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
                     if math.isfinite(value) and math.isfinite(base_value):
                         paired.append(value - base_value)
             lower = sum(d < 0 for d in paired)
+            n_diverged = len(runs_curves) - len(converged)
+            diverged_cell = str(n_diverged)
+            if (
+                variant != "residual"
+                and residual_diverged is not None
+                and any((n_diverged, residual_diverged[0]))
+            ):
+                p = fisher_exact_p(n_diverged, len(runs_curves), *residual_diverged)
+                diverged_cell += f" (p={p:.2g} vs residual)"
             print(
-                f"| {variant} | {len(runs_curves)} | {len(runs_curves) - len(converged)} "
+                f"| {variant} | {len(runs_curves)} | {diverged_cell} "
                 f"| {', '.join(label)} | {_fmt([f for f in finals if math.isfinite(f)], 4)} "
                 f"| {_fmt(late, 4)} | {_fmt(paired, 4)} "
                 f"| {f'{lower}/{len(paired)}' if paired else '-'} |"
