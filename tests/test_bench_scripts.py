@@ -34,3 +34,41 @@ def test_cpu_benchmark_quick_profile(script, tmp_path):
     result = _run([str(script), "--quick", "--out", str(tmp_path)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "|" in result.stdout  # it printed its tables
+
+
+def _write_curve(run_dir: Path, values: list[float]) -> None:
+    log = run_dir / "lightning_logs" / "version_0"
+    log.mkdir(parents=True)
+    rows = [f"{25 * (i + 1) - 1},{v}" for i, v in enumerate(values)]
+    (log / "metrics.csv").write_text("step,val/loss\n" + "\n".join(rows) + "\n")
+
+
+def test_ancre_curves_count_diverged_runs_and_leave_them_out(tmp_path):
+    """`bench/ancre.py --curves` on a sweep folder where some runs ended in NaN."""
+    nan = float("nan")
+    curves = {
+        "residual": [[2.1, nan], [2.1, 1.5], [2.1, nan]],
+        "hyper": [[2.0, 1.1], [2.0, 1.0], [2.0, 1.3]],
+    }
+    for variant, runs in {"residual_l6": [[2.0, 1.3], [2.0, 1.2], [2.0, 1.4]], **curves}.items():
+        for seed, values in enumerate(runs):
+            _write_curve(tmp_path / "sweep" / "runs" / variant / f"seed_{seed}", values)
+    result = _run(
+        [
+            "bench/ancre.py",
+            *("--curves", str(tmp_path / "sweep"), "--baseline", "residual_l6", "--by-step"),
+            *("--curve-threshold", "1.35", "--out", str(tmp_path / "out")),
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    residual, hyper = (next(x for x in lines if x.startswith(f"| {v} | 3 |")) for v in curves)
+    # 2 of 3 residual runs diverged: counted, and the final value is the other run's alone; the
+    # paired difference is on the one seed where both are finite. Fisher's test of 0/3 against
+    # 2/3 diverged gives 0.4 (scipy.stats.fisher_exact).
+    assert residual.startswith("| residual | 3 | 2 | >50, >50, >50 | 1.5 |")
+    assert residual.endswith("| 0.3 | 0/1 |")
+    assert hyper.startswith("| hyper | 3 | 0 (p=0.4 vs residual) | 50, 50, 50 |")
+    assert hyper.endswith("| -0.1667 ± 0.05774 | 3/3 |")
+    assert "| residual | NaN@50 | 1.500 | NaN@50 |" in lines  # each seed's final value
