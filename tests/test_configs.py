@@ -5,10 +5,12 @@
 - Each sweep spec (a YAML with a top-level ``base:`` key) validates and expands to runs.
 - Every variant of each sweep spec parses in-process (``--dry-run``: the first CLI call of each
   variant with ``--print_config``, nothing runs).
-- Each sweep spec other than a ``repro.yaml`` runs one (variant, seed) at a few-steps size in the
-  fast suite, so that no sweep rots. The whole quick profile (~2-3 minutes) of each ``repro.yaml``
-  runs as ``slow`` instead (running one of its variants in the fast suite too cost CI about 40 s
-  per technique; the quickstart sweep's quick profile is tested in test_sweep.py).
+- Each sweep spec other than a ``repro.yaml`` runs one (variant, seed) at a few-steps size, so
+  that no sweep rots. The whole quick profile (~2-3 minutes) of each ``repro.yaml`` runs instead
+  (running one of its variants too cost CI about 40 s per technique; the quickstart sweep's quick
+  profile is tested in test_sweep.py). Both are ``slow``: a smoke run is 15-40 s, mostly process
+  start-up, and the 16 of them took about 3 of the fast suite's 15 minutes on 2 cores; the
+  in-process dry run above still parses every variant in the fast suite.
 """
 
 import dataclasses
@@ -103,6 +105,7 @@ def test_every_variant_of_a_sweep_with_quick_variants_parses(spec, tmp_path, cap
 SMOKE_SPECS = [path for path in SPECS if path not in REPROS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SMOKE_SPECS, ids=_ids(SMOKE_SPECS))
 def test_sweep_smoke_run(spec, tmp_path):
     parsed = SweepSpec.from_yaml(spec)
