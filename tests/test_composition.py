@@ -395,7 +395,8 @@ def test_compose_yaml_fits_on_two_processes_then_tests_with_the_adakvq_cache(tmp
         [*ada, "fit", "-c", str(configs / "lm.yaml"), *quiet, "--metrics_file=fit.json"],
         cwd=tmp_path, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
-    assert fit.returncode == 0, fit.stderr[-3000:]
+    # Both ranks write to this stderr: keep enough of it to show the rank that failed first.
+    assert fit.returncode == 0, fit.stderr[-20000:]
     assert (tmp_path / "runs/compose_lm/aad/aad_profile.json").exists()
     assert list((tmp_path / "runs/compose_lm").rglob("connectivity/*.png"))
     fitted = json.loads((tmp_path / "fit.json").read_text())
