@@ -122,8 +122,8 @@ class AdaCLI(LightningCLI):
     """LightningCLI with ``--metrics_file``, ``sweep`` in its help, early checks and a summary.
 
     - ``--metrics_file PATH`` writes the run's final ``trainer.callback_metrics`` as JSON (numbers,
-      ``null`` for NaN or infinity) after ``fit``/``validate``/``test``/``predict``; the sweep runner collects results
-      with it.
+      ``null`` for NaN or infinity) after ``fit``/``validate``/``test``/``predict``; the sweep
+      runner collects results with it.
     - The model's ``optimizer``, ``lr_scheduler`` and ``cache_factory`` are tried once on a dummy
       after instantiation (see :func:`try_factories`).
     - Unless the config sets its own, the Trainer gets a

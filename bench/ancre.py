@@ -443,8 +443,7 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
             if converged:
                 steps = sorted({s for c in converged for s, _ in c})
                 mean = [statistics.mean(dict(c).get(s, math.nan) for c in converged) for s in steps]
-                diverged = len(runs_curves) - len(converged)
-                label = variant + (f" ({diverged} diverged)" if diverged else "")
+                label = variant + (f" ({n_diverged} diverged)" if n_diverged else "")
                 ax.plot([s + 1 for s in steps], mean, marker=".", label=label)
             summary.append(
                 {
@@ -462,8 +461,10 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
         if args.by_step:
             _print_per_seed(by_seed, args.metric)
         ax.set_xlabel("step")
-        diverged = any(not math.isfinite(c[-1][1]) for r in by_seed.values() for c in r.values())
-        ax.set_ylabel(f"{args.metric} (mean over {'finite runs' if diverged else 'seeds'})")
+        any_diverged = any(
+            not math.isfinite(c[-1][1]) for runs in by_seed.values() for c in runs.values()
+        )
+        ax.set_ylabel(f"{args.metric} (mean over {'finite runs' if any_diverged else 'seeds'})")
         ax.set_yscale("log")
         ax.legend()
         fig.tight_layout()
