@@ -330,6 +330,29 @@ def test_radii_reach_the_geometry_groups_and_are_validated():
         CausalLMModule(**TINY, param_groups="geometry", radii={"head": 0})
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_decoder_norms_false_drops_the_layer_norms_and_keeps_the_final_one(architecture):
+    kwargs = {**TINY, "architecture": architecture, "num_layers": 2}
+    torch.manual_seed(0)
+    normed = CausalLMModule(**kwargs)
+    torch.manual_seed(0)
+    bare = CausalLMModule(**kwargs, decoder_norms=False)
+    for layer in bare.model.model.layers:
+        assert isinstance(layer.input_layernorm, torch.nn.Identity)
+        assert isinstance(layer.post_attention_layernorm, torch.nn.Identity)
+    assert type(bare.model.model.norm) is type(normed.model.model.norm)
+    assert bare.hparams.decoder_norms is False  # a checkpoint rebuilds the same model
+    n_params = sum(p.numel() for p in normed.parameters())
+    assert sum(p.numel() for p in bare.parameters()) == n_params - 2 * 2 * TINY["hidden_size"]
+    # Same weights otherwise: putting the norms back gives the normed model's logits.
+    ids = torch.randint(3, 20, (2, 6))
+    assert not torch.allclose(bare(ids), normed(ids))
+    for layer, normed_layer in zip(bare.model.model.layers, normed.model.model.layers, strict=True):
+        layer.input_layernorm = normed_layer.input_layernorm
+        layer.post_attention_layernorm = normed_layer.post_attention_layernorm
+    assert torch.equal(bare(ids), normed(ids))
+
+
 def test_model_wrapper_changes_the_built_model_in_place(seed):
     from ada_modules.nn import ConnectivityWrapper, RoutedBlock
 
