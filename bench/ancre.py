@@ -31,8 +31,7 @@ value minus the ``--baseline`` variant's on the same seed (mean ± std of these 
 differences, and on how many seeds it is lower; default baseline ``residual``; ``--by-step``
 adds the same paired differences at every logged step), and plots the mean curve per variant to
 ``--out/<sweep>_curve.png`` (``--variants`` restricts both to the variants named).
-``--divergence`` trains the 24-layer tiny LM without decoder norms of reproduction (f) in a plain
-loop (layouts from ``--variants``; seeds 0 and 1) and prints what grows before a run diverges.
+(What grows before the LM of reproduction (f) diverges: ``bench/ancre_divergence.py``.)
 ``--connectivity DIR [DIR ...]`` plots the learned ``W - W_residual`` (mean over seeds) of the
 ``--variant`` runs' final checkpoints (default ``ancre_source``; give ``--lr-scale`` for a variant
 trained with one) to ``--out/connectivity_<variant>.png``.
@@ -473,105 +472,6 @@ def run_curves(args: argparse.Namespace) -> list[dict]:
     return summary
 
 
-def run_divergence(args: argparse.Namespace) -> list[dict]:
-    """What grows before the tiny LM without decoder norms diverges (reproduction (f)).
-
-    Trains the 24-layer decoder of ``cli_configs/ancre/repro_lm_deep_nonorm.yaml`` (lr 3e-3,
-    warm-up 20, cosine to 200 steps, batch 32) in a plain loop, and every 10 steps prints the
-    training loss, the gradient norm, the largest RMS of any layer's attention input (without
-    norms, the residual stream as the layer sees it), a bound on every attention logit (largest
-    query norm times largest key norm over sqrt(head dim), any layer) and the RMS of the stream
-    entering the final norm; up to the first non-finite loss.
-    """
-    from functools import partial
-
-    from lightning.pytorch import seed_everything
-
-    from ada_modules.data import ArithmeticDataModule
-    from ada_modules.models import CausalLMModule
-    from ada_modules.nn import ConnectivityWrapper, StreamsWrapper
-    from ada_modules.optim.lr_schedulers import WarmupCosineLR
-
-    wrappers = {
-        "residual": lambda: ConnectivityWrapper(mode="residual"),
-        "ancre_source": lambda: ConnectivityWrapper(mode="source"),
-        "ancre_input": lambda: ConnectivityWrapper(mode="input"),
-        "hyper": lambda: StreamsWrapper(n_streams=4, kind="hyper", dynamic="token"),
-    }
-    seen: dict[str, float] = {}  # this step's largest values, filled by the hooks
-
-    def record(name: str, value: float) -> None:
-        seen[name] = max(seen.get(name, 0.0), value)
-
-    def attention_input(attn: nn.Module, args_: tuple, kwargs: dict) -> None:
-        x = kwargs.get("hidden_states", args_[0] if args_ else None).detach()
-        record("attn_in_rms", x.pow(2).mean().sqrt().item())
-        # Rotary embeddings rotate queries and keys but keep their norms, so |q| |k| / sqrt(d)
-        # bounds every attention logit of the layer.
-        head = attn.head_dim
-        q = attn.q_proj(x).unflatten(-1, (-1, head)).norm(dim=-1).amax()
-        k = attn.k_proj(x).unflatten(-1, (-1, head)).norm(dim=-1).amax()
-        record("logit_bound", (q * k * attn.scaling).item())
-
-    records = []
-    for layout in args.variants or ["residual", "ancre_source", "hyper"]:
-        for seed in [0, 1] if not args.quick else [0]:
-            seed_everything(seed, verbose=False)
-            module = CausalLMModule(
-                hidden_size=32,
-                num_layers=24 if not args.quick else 4,
-                num_heads=4,
-                num_kv_heads=4,
-                intermediate_size=128,
-                max_position_embeddings=64,
-                decoder_norms=False,
-                model_wrapper=wrappers[layout](),
-                optimizer=partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.01),
-                lr_scheduler=partial(WarmupCosineLR, warmup_steps=20, total_steps=200),
-            )
-            data = ArithmeticDataModule(min_digits=1, max_digits=3, num_train=20000, batch_size=32)
-            data.setup("fit")
-            configured = module.configure_optimizers()
-            optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
-            hooks = [
-                layer.self_attn.register_forward_pre_hook(attention_input, with_kwargs=True)
-                for layer in module.model.modules()
-                if hasattr(layer, "self_attn")
-            ]
-            hooks.append(
-                module.model.model.norm.register_forward_pre_hook(
-                    lambda _, inputs: record("final_rms", inputs[0].pow(2).mean().sqrt().item())
-                )
-            )
-            print(f"\n{layout}, seed {seed}\n")
-            print(
-                "| step | loss | grad norm | attention input RMS (max) | logit bound | final RMS |"
-            )
-            print("|---|---|---|---|---|---|")
-            for step, batch in enumerate(data.train_dataloader(), start=1):
-                seen.clear()
-                loss = module._loss(batch)
-                optimizer.zero_grad()
-                loss.backward()
-                grad = torch.nn.utils.clip_grad_norm_(module.parameters(), math.inf).item()
-                optimizer.step()
-                scheduler.step()
-                row = {"layout": layout, "seed": seed, "step": step, "loss": loss.item()}
-                row |= {"grad_norm": grad, **seen}
-                finite = math.isfinite(row["loss"]) and math.isfinite(grad)
-                if step % 10 == 0 or not finite:
-                    records.append(row)
-                    print(
-                        f"| {step} | {row['loss']:.3f} | {grad:.3g} | {row['attn_in_rms']:.3g} "
-                        f"| {row['logit_bound']:.3g} | {row['final_rms']:.3g} |"
-                    )
-                if not finite or step >= (200 if not args.quick else 10):
-                    break
-            for hook in hooks:
-                hook.remove()
-    return records
-
-
 def plot_connectivity(
     folders: list[str], out: Path, variant: str = "ancre_source", lr_scale: float = 1.0
 ) -> None:
@@ -631,11 +531,6 @@ def main() -> None:
         help="with --curves: paired differences at every step, and each seed's final value",
     )
     parser.add_argument("--overhead", action="store_true", help="only the overhead table")
-    parser.add_argument(
-        "--divergence",
-        action="store_true",
-        help="what grows before the tiny LM without norms diverges (--variants: layouts)",
-    )
     parser.add_argument("--variant", default="ancre_source", help="with --connectivity")
     parser.add_argument("--lr-scale", type=float, default=1.0, help="the variant's lr_scale")
     parser.add_argument(
@@ -653,8 +548,6 @@ def main() -> None:
         return
     if args.curves:
         results = run_curves(args)
-    elif args.divergence:
-        results = run_divergence(args)
     elif args.overhead:
         results = run_overhead(rounds=3 if args.quick else 15, quick=args.quick)
     else:
