@@ -45,14 +45,12 @@ WRAPPERS: dict[str, Callable[[], nn.Module]] = {
 
 
 def run_divergence(args: argparse.Namespace) -> list[dict]:
-    """What grows before the tiny LM without decoder norms diverges (reproduction (f)).
+    """Train each layout of ``args.variants`` and return the rows the module docstring describes.
 
-    Trains the 24-layer decoder of ``cli_configs/ancre/repro_lm_deep_nonorm.yaml`` (lr 3e-3,
-    warm-up 20, cosine to 200 steps, batch 32) in a plain loop, and every 10 steps prints the
-    training loss, the gradient norm, the largest RMS of any layer's attention input (without
-    norms, the residual stream as the layer sees it), a bound on every attention logit (largest
-    query norm times largest key norm over sqrt(head dim), any layer) and the RMS of the stream
-    entering the final norm; up to the first non-finite loss.
+    The model and optimizer settings are those of ``cli_configs/ancre/tiny_lm.yaml`` with the
+    overrides of ``repro_lm_deep_nonorm.yaml``. Without norms, the attention input is the residual
+    stream as the layer sees it; the logit bound is the largest query norm times the largest key
+    norm over sqrt(head dim), any layer.
     """
     seen: dict[str, float] = {}  # this step's largest values, filled by the hooks
 
