@@ -2,16 +2,24 @@
 
 Trains the 24-layer decoder of ``cli_configs/ancre/repro_lm_deep_nonorm.yaml`` (no norm inside the
 decoder layers; lr 3e-3, warm-up 20, cosine to 200 steps, batch 32) in a plain loop, one run per
-layout of ``--variants`` and seed 0 and 1 (quick: 4 layers, 10 steps, seed 0), and every 10 steps
-prints the training loss, the gradient norm, the largest RMS of any layer's attention input, a
-bound on every attention logit and the RMS of the stream entering the final norm, up to the first
-non-finite loss or gradient. Writes the rows to ``--out/ancre_divergence.json``.
+layout of ``--variants`` and seed of ``--seeds`` (quick: 4 layers, 10 steps, seed 0), and every
+``--every`` steps prints the training loss, the gradient norm, the largest RMS of any layer's
+attention input, a bound on every attention logit, the largest RMS of any layer's MLP output (and
+which layer) and the RMS of the stream entering the final norm, up to the first non-finite loss or
+gradient, then the validation loss. Writes the rows to ``--out/ancre_divergence.json``.
+
+``--attn`` picks the attention (``sdpa``, PyTorch's fused attention, as in the sweeps, or
+``eager``). ``--on-nonfinite eager`` tests whether a run dies of arithmetic: a step whose
+gradient is not finite is computed again with the eager attention (which keeps the attention
+probabilities instead of recomputing them in the backward pass), and the run goes on; the step is
+listed in the run's last row. The run is otherwise the same, step for step.
 
 Its data order is not the sweep's, so it shows how runs diverge, not which of the sweep's runs do.
 
 Example::
 
     python bench/ancre_divergence.py --variants residual ancre_source hyper --out /tmp/div
+    python bench/ancre_divergence.py --variants residual --on-nonfinite eager --out /tmp/div
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ def run_divergence(args: argparse.Namespace) -> list[dict]:
     The model and optimizer settings are those of ``cli_configs/ancre/tiny_lm.yaml`` with the
     overrides of ``repro_lm_deep_nonorm.yaml``. Without norms, the attention input is the residual
     stream as the layer sees it; the logit bound is the largest query norm times the largest key
-    norm over sqrt(head dim), any layer.
+    norm over sqrt(head dim), any layer. Layers are counted from 0 in the order they run.
     """
     seen: dict[str, float] = {}  # this step's largest values, filled by the hooks
 
@@ -67,9 +75,22 @@ def run_divergence(args: argparse.Namespace) -> list[dict]:
         k = attn.k_proj(x).unflatten(-1, (-1, head)).norm(dim=-1).amax()
         record("logit_bound", (q * k * attn.scaling).item())
 
+    def mlp_output(index: int, _: nn.Module, __: tuple, output: torch.Tensor) -> None:
+        value = output.detach().pow(2).mean().sqrt().item()
+        largest = seen.get("mlp_out_rms", -1.0)
+        if value > largest or (not math.isfinite(value) and math.isfinite(largest)):
+            seen["mlp_out_rms"], seen["mlp_out_layer"] = value, index
+
+    def gradient(module: CausalLMModule, batch: dict) -> tuple[float, float]:
+        seen.clear()
+        loss = module._loss(batch)
+        module.zero_grad()
+        loss.backward()
+        return loss.item(), torch.nn.utils.clip_grad_norm_(module.parameters(), math.inf).item()
+
     records = []
     for layout in args.variants:
-        for seed in [0, 1] if not args.quick else [0]:
+        for seed in args.seeds if not args.quick else [0]:
             seed_everything(seed, verbose=False)
             module = CausalLMModule(
                 hidden_size=32,
@@ -79,6 +100,7 @@ def run_divergence(args: argparse.Namespace) -> list[dict]:
                 intermediate_size=128,
                 max_position_embeddings=64,
                 decoder_norms=False,
+                attn_implementation=args.attn,
                 model_wrapper=WRAPPERS[layout](),
                 optimizer=partial(torch.optim.AdamW, lr=3e-3, weight_decay=0.01),
                 lr_scheduler=partial(WarmupCosineLR, warmup_steps=20, total_steps=200),
@@ -92,6 +114,10 @@ def run_divergence(args: argparse.Namespace) -> list[dict]:
                 for layer in module.model.modules()
                 if hasattr(layer, "self_attn")
             ]
+            mlps = [layer.mlp for layer in module.model.model.layers]
+            hooks += [
+                mlp.register_forward_hook(partial(mlp_output, i)) for i, mlp in enumerate(mlps)
+            ]
             hooks.append(
                 module.model.model.norm.register_forward_pre_hook(
                     lambda _, inputs: record("final_rms", inputs[0].pow(2).mean().sqrt().item())
@@ -99,30 +125,51 @@ def run_divergence(args: argparse.Namespace) -> list[dict]:
             )
             print(f"\n{layout}, seed {seed}\n")
             print(
-                "| step | loss | grad norm | attention input RMS (max) | logit bound | final RMS |"
+                "| step | loss | grad norm | attention input RMS (max) | logit bound "
+                "| MLP output RMS (max), layer | final RMS |"
             )
-            print("|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|")
+            eager_steps = []
             for step, batch in enumerate(data.train_dataloader(), start=1):
-                seen.clear()
-                loss = module._loss(batch)
-                optimizer.zero_grad()
-                loss.backward()
-                grad = torch.nn.utils.clip_grad_norm_(module.parameters(), math.inf).item()
-                optimizer.step()
-                scheduler.step()
-                row = {"layout": layout, "seed": seed, "step": step, "loss": loss.item()}
+                loss, grad = gradient(module, batch)
+                row = {"layout": layout, "seed": seed, "step": step, "loss": loss}
                 row |= {"grad_norm": grad, **seen}
-                finite = math.isfinite(row["loss"]) and math.isfinite(grad)
-                if step % 10 == 0 or not finite:
+                finite = math.isfinite(loss) and math.isfinite(grad)
+                if not finite and args.on_nonfinite == "eager" and args.attn != "eager":
+                    module.model.set_attn_implementation("eager")
+                    loss, grad = gradient(module, batch)
+                    module.model.set_attn_implementation(args.attn)
+                    finite = math.isfinite(loss) and math.isfinite(grad)
+                    eager_steps.append(step)
+                    row["eager_grad_norm"] = grad
+                if finite:
+                    optimizer.step()
+                scheduler.step()
+                if step % args.every == 0 or not finite or eager_steps[-1:] == [step]:
                     records.append(row)
+                    grad_cell = f"{row['grad_norm']:.3g}"
+                    if "eager_grad_norm" in row:
+                        grad_cell += f", eager: {row['eager_grad_norm']:.3g}"
                     print(
-                        f"| {step} | {row['loss']:.3f} | {grad:.3g} | {row['attn_in_rms']:.3g} "
-                        f"| {row['logit_bound']:.3g} | {row['final_rms']:.3g} |"
+                        f"| {step} | {row['loss']:.3f} | {grad_cell} "
+                        f"| {row['attn_in_rms']:.3g} | {row['logit_bound']:.3g} "
+                        f"| {row['mlp_out_rms']:.3g}, {row['mlp_out_layer']} "
+                        f"| {row['final_rms']:.3g} |"
                     )
                 if not finite or step >= (200 if not args.quick else 10):
                     break
             for hook in hooks:
                 hook.remove()
+            with torch.no_grad():
+                val = [module._loss(batch).item() for batch in data.val_dataloader()]
+            end = {"layout": layout, "seed": seed, "last_step": step, "finite": finite}
+            end |= {"val_loss": sum(val) / len(val), "eager_steps": eager_steps}
+            records.append(end)
+            print(
+                f"\n{layout}, seed {seed}: {'trained' if finite else 'stopped at step'} {step}, "
+                f"validation loss {end['val_loss']:.3f}, steps computed again with the eager "
+                f"attention: {eager_steps or 'none'}"
+            )
     return records
 
 
@@ -130,6 +177,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 layers, 10 steps, seed 0")
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1])
+    parser.add_argument("--every", type=int, default=10, help="print every this many steps")
+    parser.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa", help="attention")
+    parser.add_argument(
+        "--on-nonfinite",
+        choices=["stop", "eager"],
+        default="stop",
+        help="stop the run, or compute the step again with the eager attention",
+    )
     parser.add_argument(
         "--variants",
         nargs="*",

@@ -72,3 +72,21 @@ def test_ancre_curves_count_diverged_runs_and_leave_them_out(tmp_path):
     assert hyper.startswith("| hyper | 3 | 0 (p=0.4 vs residual) | 50, 50, 50 |")
     assert hyper.endswith("| -0.1667 ± 0.05774 | 3/3 |")
     assert "| residual | NaN@50 | 1.500 | NaN@50 |" in lines  # each seed's final value
+
+
+def test_attention_backward_errors_against_float64():
+    """`bench/ancre_attention_backward.py`: at small logits every attention's value gradient
+    matches float64; the error is measured, not assumed (a non-finite gradient reads inf)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import ancre_attention_backward as attention_backward
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    (row,) = attention_backward.run([1.0], seed=0)
+    assert 1.0 < row["largest_logit"] < 20.0
+    for name in attention_backward.ATTENTIONS:
+        assert row[name] < 1e-5, (name, row[name])
+    reference = attention_backward.torch.ones(3, dtype=attention_backward.torch.float64)
+    grad = attention_backward.torch.tensor([1.0, 1.5, float("nan")])
+    assert attention_backward.relative_error(grad, reference) == float("inf")
+    assert attention_backward.relative_error(grad[:2], reference[:2]) == 0.5
