@@ -6,7 +6,9 @@ layout of ``--variants`` and seed of ``--seeds`` (quick: 4 layers, 10 steps, see
 ``--every`` steps prints the training loss, the gradient norm, the largest RMS of any layer's
 attention input, a bound on every attention logit, the largest RMS of any layer's MLP output (and
 which layer) and the RMS of the stream entering the final norm, up to the first non-finite loss or
-gradient, then the validation loss. Writes the rows to ``--out/ancre_divergence.json``.
+gradient, then the validation loss. A last table gives each run's outcome and its largest finite
+logit bound over all steps (the height of its highest jump). Writes the rows to
+``--out/ancre_divergence.json``.
 
 ``--attn`` picks the attention (``sdpa``, PyTorch's fused attention, as in the sweeps, or
 ``eager``). ``--on-nonfinite eager`` tests whether a run dies of arithmetic: a step whose
@@ -129,12 +131,14 @@ def run_divergence(args: argparse.Namespace) -> list[dict]:
                 "| MLP output RMS (max), layer | final RMS |"
             )
             print("|---|---|---|---|---|---|---|")
-            eager_steps = []
+            eager_steps, peak = [], (0.0, 0)  # largest finite logit bound, and its step
             for step, batch in enumerate(data.train_dataloader(), start=1):
                 loss, grad = gradient(module, batch)
                 row = {"layout": layout, "seed": seed, "step": step, "loss": loss}
                 row |= {"grad_norm": grad, **seen}
                 finite = math.isfinite(loss) and math.isfinite(grad)
+                if math.isfinite(seen["logit_bound"]) and seen["logit_bound"] > peak[0]:
+                    peak = (seen["logit_bound"], step)
                 if not finite and args.on_nonfinite == "eager" and args.attn != "eager":
                     module.model.set_attn_implementation("eager")
                     loss, grad = gradient(module, batch)
@@ -164,6 +168,7 @@ def run_divergence(args: argparse.Namespace) -> list[dict]:
                 val = [module._loss(batch).item() for batch in data.val_dataloader()]
             end = {"layout": layout, "seed": seed, "last_step": step, "finite": finite}
             end |= {"val_loss": sum(val) / len(val), "eager_steps": eager_steps}
+            end |= {"peak_logit_bound": peak[0], "peak_step": peak[1]}
             records.append(end)
             print(
                 f"\n{layout}, seed {seed}: {'trained' if finite else 'stopped at step'} {step}, "
@@ -198,6 +203,16 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     records = run_divergence(args)
+    print("\n| layout | seed | outcome | largest logit bound (step) | validation loss |")
+    print("|---|---|---|---|---|")
+    for end in (row for row in records if "last_step" in row):
+        outcome = "trained" if end["finite"] else f"stopped at step {end['last_step']}"
+        if end["eager_steps"]:
+            outcome += f", eager attention at {end['eager_steps']}"
+        print(
+            f"| {end['layout']} | {end['seed']} | {outcome} "
+            f"| {end['peak_logit_bound']:.3g} ({end['peak_step']}) | {end['val_loss']:.3f} |"
+        )
     (args.out / "ancre_divergence.json").write_text(json.dumps({"results": records}, indent=1))
     print(f"\nelapsed {time.perf_counter() - start:.1f} s")
 
