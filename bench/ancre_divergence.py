@@ -149,7 +149,7 @@ def run_divergence(args: argparse.Namespace) -> list[dict]:
                 if finite:
                     optimizer.step()
                 scheduler.step()
-                if step % args.every == 0 or not finite or eager_steps[-1:] == [step]:
+                if step % args.every == 0 or not finite or "eager_grad_norm" in row:
                     records.append(row)
                     grad_cell = f"{row['grad_norm']:.3g}"
                     if "eager_grad_norm" in row:
