@@ -266,8 +266,14 @@ def routed_sum_reference(
     shape = _coefficient_shape(coeffs, like, channel_dim)
     coeffs = coeffs.to(like.dtype)
     total = states[0] * coeffs[0].reshape(shape)
+    # Without autograd (inference, or inside the deferred-gradient row), add in place: the same
+    # arithmetic without a new tensor per term. Mixed dtypes promote, so they stay out of place.
+    in_place = not torch.is_grad_enabled() and all(s.dtype == total.dtype for s in states)
     for state, c in zip(states[1:], coeffs[1:], strict=True):
-        total = torch.addcmul(total, state, c.reshape(shape))
+        if in_place:
+            total.addcmul_(state, c.reshape(shape))
+        else:
+            total = torch.addcmul(total, state, c.reshape(shape))
     return total
 
 
