@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ada_modules.nn._ancre_deferred import GradientLedger
+
 __all__ = ["Pass", "PassStore", "in_backward", "saved_tensors_hooked"]
 
 
@@ -23,10 +25,20 @@ class Pass:
     reference to the tensor block ``i`` received; ``temperature`` the softmax temperature of the
     pass (a recomputation uses the same one); ``checkpointed`` whether a block ran under
     saved-tensor hooks (gradient checkpointing); ``done`` whether the pass is finished (a
-    recomputed block then reads its states and records nothing).
+    recomputed block then reads its states and records nothing); ``ledger`` the rows' output
+    gradients when the router defers the states' gradients (``state_grads="deferred"``).
     """
 
-    __slots__ = ("checkpointed", "done", "inputs", "states", "stored", "temperature", "watch")
+    __slots__ = (
+        "checkpointed",
+        "done",
+        "inputs",
+        "ledger",
+        "states",
+        "stored",
+        "temperature",
+        "watch",
+    )
 
     def __init__(
         self, num_layers: int, x: torch.Tensor | None, temperature: float, stored: set[int]
@@ -39,6 +51,7 @@ class Pass:
         self.checkpointed = False
         self.done = False
         self.watch: list[weakref.ref[torch.Tensor]] = []
+        self.ledger: GradientLedger | None = None
 
 
 class PassStore:

@@ -36,7 +36,7 @@ from torch import nn
 from ada_modules.errors import InputError
 from ada_modules.kernels import Impl
 from ada_modules.nn.ancre import ANCReStack, wrap_module_list
-from ada_modules.nn.ancre_router import MODES, ConnectivityRouter, Mode
+from ada_modules.nn.ancre_router import MODES, ConnectivityRouter, Mode, StateGrads
 
 __all__ = [
     "ConnectivityWrapper",
@@ -245,6 +245,8 @@ class ConnectivityWrapper:
         lr_scale: Learning-rate multiplier of the coefficients (Adam-type optimizers).
         impl: Routed sums as the fused Triton kernel on CUDA (``"auto"``), always
             (``"triton"``) or term by term in torch (``"torch"``).
+        state_grads: States' gradients term by term (``"autograd"``) or one sum per state
+            (``"deferred"``), see :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
 
     Raises:
         ValueError: If ``mode`` is unknown (other arguments are checked when called).
@@ -277,6 +279,7 @@ class ConnectivityWrapper:
         prev_logit: float = 0.0,
         lr_scale: float = 1.0,
         impl: Impl = "auto",
+        state_grads: StateGrads = "autograd",
     ) -> None:
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -293,6 +296,7 @@ class ConnectivityWrapper:
             "prev_logit": prev_logit,
             "lr_scale": lr_scale,
             "impl": impl,
+            "state_grads": state_grads,
         }
 
     def __call__(self, model: nn.Module) -> nn.Module:
@@ -364,6 +368,8 @@ class MLPResNet(ANCReStack):
         lr_scale: Learning-rate multiplier of the coefficients (Adam-type optimizers).
         impl: Routed sums as the fused Triton kernel on CUDA (``"auto"``), always
             (``"triton"``) or term by term in torch (``"torch"``).
+        state_grads: States' gradients term by term (``"autograd"``) or one sum per state
+            (``"deferred"``), see :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
 
     Raises:
         ValueError: If ``width``, ``depth`` or ``expansion`` is below 1, or a router argument is
@@ -393,6 +399,7 @@ class MLPResNet(ANCReStack):
         prev_logit: float = 0.0,
         lr_scale: float = 1.0,
         impl: Impl = "auto",
+        state_grads: StateGrads = "autograd",
     ) -> None:
         blocks = mlp_blocks(width, depth, expansion, norm)
         super().__init__(
@@ -410,4 +417,5 @@ class MLPResNet(ANCReStack):
             residual_in_block=False,
             lr_scale=lr_scale,
             impl=impl,
+            state_grads=state_grads,
         )

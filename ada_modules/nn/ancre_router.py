@@ -16,11 +16,13 @@ from torch import nn
 
 from ada_modules.errors import InputError
 from ada_modules.kernels import Impl, routed_sum, routed_sum_reference
+from ada_modules.nn._ancre_deferred import GradientLedger, deferred_routed_sum, tap_state
 from ada_modules.nn._ancre_passes import Pass, PassStore, in_backward, saved_tensors_hooked
 
-__all__ = ["MODES", "ConnectivityRouter", "Mode"]
+__all__ = ["MODES", "ConnectivityRouter", "Mode", "StateGrads"]
 
 Mode = Literal["source", "input", "denseformer", "rezero", "residual"]
+StateGrads = Literal["autograd", "deferred"]
 MODES: tuple[str, ...] = ("source", "input", "denseformer", "rezero", "residual")
 _SOFTMAX_MODES = ("source", "input")
 _INPUT_MODES = ("input", "denseformer")
@@ -65,6 +67,14 @@ class ConnectivityRouter(nn.Module):
         impl: How the routed sums run: ``"auto"`` (the fused Triton kernel on CUDA, term by term
             in torch otherwise), ``"triton"`` or ``"torch"`` (see
             :func:`~ada_modules.kernels.routed_sum`).
+        state_grads: How a state gets the gradients of the later rows that read it:
+            ``"autograd"`` adds them term by term; ``"deferred"`` adds them in one
+            matrix-vector product per state (:mod:`ada_modules.nn._ancre_deferred`), about half
+            the memory traffic of the routed sums' backward. ``"deferred"`` needs one coefficient
+            per state (not ``per_channel``), is differentiable once (no double backward) and
+            forbids in-place changes of a block's output after the block returns; under
+            ``torch.compile``, gradient checkpointing and in recomputations it adds the terms
+            term by term.
 
     Raises:
         ValueError: If an argument is out of range, naming it.
@@ -97,10 +107,18 @@ class ConnectivityRouter(nn.Module):
         residual_in_block: bool = True,
         lr_scale: float = 1.0,
         impl: Impl = "auto",
+        state_grads: StateGrads = "autograd",
     ) -> None:
         super().__init__()
         if impl not in get_args(Impl):
             raise InputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+        if state_grads not in get_args(StateGrads):
+            raise InputError(f"state_grads must be 'autograd' or 'deferred', got {state_grads!r}")
+        if state_grads == "deferred" and per_channel:
+            raise InputError(
+                "state_grads='deferred' needs one coefficient per state; got per_channel=True "
+                "(use state_grads='autograd')"
+            )
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise InputError(f"num_layers must be a positive integer, got {num_layers!r}")
         if mode not in MODES:
@@ -137,6 +155,7 @@ class ConnectivityRouter(nn.Module):
         self.residual_in_block = residual_in_block
         self.lr_scale = float(lr_scale)
         self.impl = impl
+        self.state_grads = state_grads
         self.hard = False
         width = num_channels if per_channel else 1
         # Routed rows: source mode routes the skip of blocks 1..K-1 (block 0 has one source);
@@ -387,6 +406,14 @@ class ConnectivityRouter(nn.Module):
             self.step += 1
         stored = self._stored_states()
         p = Pass(self.num_layers, x, self.current_temperature(), stored)
+        if (
+            self.state_grads == "deferred"
+            and self._rows
+            and not self.hard
+            and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
+            p.ledger = GradientLedger()
         self._passes.current = p
         return p
 
@@ -418,6 +445,16 @@ class ConnectivityRouter(nn.Module):
         """``sum_j w_j x_j`` over row ``r``'s sources (``"denseformer"``: the mixture itself)."""
         sources, coeffs = self._row_weights(r, p.temperature)
         states = [current if j == r else self._state(p, j) for j in sources]
+        if (
+            p.ledger is not None
+            and not p.done
+            and not saved_tensors_hooked()  # a checkpoint recomputes what autograd saved
+            and all(s.dtype == states[0].dtype for s in states)
+            and p.ledger.accepts(states[0])
+        ):
+            return deferred_routed_sum(
+                states, coeffs, sources, r, self.num_layers + 1, p.ledger, self._weighted_sum
+            )
         return self._weighted_sum(states, coeffs)
 
     def record(self, p: Pass, index: int, y: torch.Tensor) -> torch.Tensor:
@@ -426,6 +463,8 @@ class ConnectivityRouter(nn.Module):
         A recomputed block stores nothing. After the last block the pass ends: its states are
         dropped, or kept for the recomputation if its blocks ran inside gradient checkpoints.
         """
+        if p.ledger is not None and not p.done and y.requires_grad:
+            y = tap_state(y, p.ledger, index + 1)
         if not p.done and index + 1 in p.stored:
             p.states[index + 1] = y
         if index < self.num_layers - 1:
