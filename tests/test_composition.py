@@ -6,7 +6,8 @@ entry, see docs/contributing.md):
 - ``STRATEGIES``: one process, Lightning's FSDP2 ``ModelParallelStrategy`` on 2 ranks, AdERA on 2;
 - ``OPTIMIZERS``: AdamW, AcceleGrad#, Scion, Muon on the hidden matrices chained with AdamW;
 - ``WRAPPERS``: none, ANCRe's ``ConnectivityWrapper``, AOT-POT's multi-stream ``StreamsWrapper``
-  (mHC streams around the decoder layers);
+  (mHC streams around the decoder layers); the matrix also has ANCRe with deferred state
+  gradients (``state_grads="deferred"``), which the other tests below leave out;
 - ``CACHES`` (at test): transformers' ``DynamicCache``, KIVI, AdaKVQ, ADKV;
 - ``ATTENTIONS`` (at test): transformers' SDPA, AdaCal's sparse prefill (every test prompt takes
   the sparse path: blocks of 16, no minimum length).
@@ -32,7 +33,8 @@ for a few steps (loss must go down), then tests it with a short ``generate`` thr
 cache. Every AdERA row also runs with ``ModelParallelStrategy`` and must end bitwise equal. All
 2-rank runs share one forked pair of gloo processes. The ``slow`` suite runs the 3-wise rows
 (strength 3: every triple of values of three factors) the same way; the full product runs
-instead on request, with ``ADA_COMPOSITION_FULL=1`` (288 rows, about 9 minutes on CI's 2 cores)::
+instead on request, with ``ADA_COMPOSITION_FULL=1`` (384 rows, roughly 12 minutes on CI's 2
+cores; 288 rows took 9)::
 
     ADA_COMPOSITION_FULL=1 pytest -m slow tests/test_composition.py::test_three_wise_rows
 """
@@ -120,6 +122,11 @@ WRAPPERS: dict[str, Callable[[], Any] | None] = {
     "ancre": lambda: ConnectivityWrapper(mode="source"),
     "streams": lambda: StreamsWrapper(n_streams=2, kind="mhc"),
 }
+# the matrix's wrappers: also ANCRe's opt-in deferred state gradients (its own autograd Functions)
+MATRIX_WRAPPERS = {
+    **WRAPPERS,
+    "ancre_deferred": lambda: ConnectivityWrapper(mode="source", state_grads="deferred"),
+}
 CACHES: dict[str, Callable[..., Any]] = {
     "dynamic": DynamicCache,
     "kivi": partial(
@@ -142,7 +149,7 @@ ATTENTIONS: dict[str, dict[str, Any] | None] = {
 FACTORS = {
     "strategy": list(STRATEGIES),
     "optimizer": list(OPTIMIZERS),
-    "wrapper": list(WRAPPERS),
+    "wrapper": list(MATRIX_WRAPPERS),
     "cache": list(CACHES),
     "attention": list(ATTENTIONS),
 }
@@ -210,7 +217,7 @@ class _GlobalLoss(Callback):
 
 def _run(row: dict[str, str], tmp: str) -> dict[str, Any]:
     seed_everything(0)
-    wrapper = WRAPPERS[row["wrapper"]]
+    wrapper = MATRIX_WRAPPERS[row["wrapper"]]
     module = CausalLMModule(
         hidden_size=32,
         num_layers=2,
