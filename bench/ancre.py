@@ -21,7 +21,8 @@ and the time per step relative to ``residual``. Mean ± std over seeds 0, 1, 2 (
 Then the overhead of each layout on the models of reproductions (b) and (c), and on a wide trunk
 (24 blocks of width 512, the GPU benchmark's shape; ``--overhead`` runs only this table): extra
 parameters (% of the model) and forward+backward time (% over residual, layouts interleaved,
-median of 15 rounds of 5 passes).
+median of 15 rounds of 5 passes). ``source_deferred`` is ANCRe source routing with
+``state_grads="deferred"`` (each state's gradient as one sum over the rows that read it).
 
 ``--curves DIR [DIR ...]`` instead reads finished ``ada sweep`` folders (the CSV logs of each
 run), prints, per variant, the steps until ``--metric`` first reaches ``--curve-threshold``
@@ -189,17 +190,17 @@ def run_deep_linear(args: argparse.Namespace, seeds: list[int]) -> list[dict]:
 
 
 def _overhead_models(
-    mode: str, quick: bool
+    mode: str, quick: bool, state_grads: str = "autograd"
 ) -> dict[str, tuple[nn.Module, Callable[[nn.Module], Tensor]]]:
     from ada_modules.models import CausalLMModule
     from ada_modules.nn import ConnectivityWrapper
 
     torch.manual_seed(0)
-    trunk = MLPResNet(64, depth=16, mode=mode)
+    trunk = MLPResNet(64, depth=16, mode=mode, state_grads=state_grads)
     images = torch.randn(64, 64)
     # The GPU benchmark's trunk shape (24 blocks, width 512) with transformer-sized branches
     # (expansion 4): wide enough that each routed sum is one large vector operation.
-    wide = MLPResNet(512, depth=24, expansion=4, mode=mode)
+    wide = MLPResNet(512, depth=24, expansion=4, mode=mode, state_grads=state_grads)
     wide_rows = 32 if quick else 256
     tokens = torch.randn(wide_rows, 512)
     lm = CausalLMModule(
@@ -208,7 +209,7 @@ def _overhead_models(
         num_heads=4,
         num_kv_heads=4,
         intermediate_size=128,
-        model_wrapper=ConnectivityWrapper(mode=mode),
+        model_wrapper=ConnectivityWrapper(mode=mode, state_grads=state_grads),
     ).model
     ids = torch.randint(3, 20, (32, 45))
     return {
@@ -233,8 +234,13 @@ def run_overhead(rounds: int, quick: bool) -> list[dict]:
     The layouts are timed in interleaved rounds (A, B, C, D, A, B, ...) on the same inputs; the
     median over rounds of the per-round time is reported.
     """
-    modes = ("residual", "rezero", "denseformer", "source")
-    built = {mode: _overhead_models(mode, quick) for mode in modes}
+    modes = ("residual", "rezero", "denseformer", "source", "source_deferred")
+    built = {
+        mode: _overhead_models(mode.removesuffix("_deferred"), quick, "autograd")
+        for mode in modes[:-1]
+    }
+    # ANCRe with each state's gradient as one sum over the later rows (state_grads="deferred")
+    built["source_deferred"] = _overhead_models("source", quick, "deferred")
     records = []
     print("\n### Overhead: forward+backward time and parameters vs residual (1 thread)\n")
     print("| model | layout | extra params | extra params % | median ms | time overhead % |")

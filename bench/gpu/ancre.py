@@ -16,7 +16,9 @@ What it measures (issues 6 and 27), in one run on one GPU:
    followed by a verbatim copy of those 128 tokens (an induction task). Batch 32 × 256 tokens.
    Validation loss on 128 held-out sequences every ``--eval-every`` steps.
    ``source_torch_sums`` is ANCRe with its routed sums term by term in torch (``impl="torch"``):
-   the step-time overhead without the fused kernel.
+   the step-time overhead without the fused kernel. ``source_deferred`` is ANCRe with the fused
+   kernel and ``state_grads="deferred"`` (each state's gradient as one sum over the rows that read
+   it).
 2. **Columns**: parameters added by the layout (% of the model), median training-step time and
    tokens/s (overhead % against residual), peak memory, final validation loss, and the **time to
    target**: training seconds (evaluation excluded) and steps until the validation loss first
@@ -57,12 +59,13 @@ from ada_modules.kernels import interpreter_enabled, routed_sum
 from ada_modules.nn import ConnectivityWrapper
 
 SLUG = "ancre"
-# layout name -> (ConnectivityWrapper mode, routed-sum impl)
+# layout name -> (ConnectivityWrapper mode, routed-sum impl, state_grads)
 LAYOUTS = {
-    "residual": ("residual", "auto"),
-    "denseformer": ("denseformer", "auto"),
-    "source": ("source", "auto"),
-    "source_torch_sums": ("source", "torch"),
+    "residual": ("residual", "auto", "autograd"),
+    "denseformer": ("denseformer", "auto", "autograd"),
+    "source": ("source", "auto", "autograd"),
+    "source_torch_sums": ("source", "torch", "autograd"),
+    "source_deferred": ("source", "auto", "deferred"),
 }
 
 
@@ -121,8 +124,8 @@ def train(
     device: str,
 ) -> dict:
     model = copy.deepcopy(base)
-    mode, impl = LAYOUTS[layout]
-    ConnectivityWrapper(mode=mode, impl=impl)(model)
+    mode, impl, state_grads = LAYOUTS[layout]
+    ConnectivityWrapper(mode=mode, impl=impl, state_grads=state_grads)(model)
     extra = sum(p.numel() for n, p in model.named_parameters() if "connectivity" in n)
     total = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
@@ -259,7 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--quick", action="store_true", help="tiny model, a few steps")
     parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--train-seconds", type=float, default=75.0, help="budget per layout")
+    parser.add_argument("--train-seconds", type=float, default=60.0, help="budget per layout")
     parser.add_argument("--eval-every", type=int, default=100)
     args = parser.parse_args(argv)
     args.layers, args.hidden, args.heads, args.mlp, args.vocab = 24, 512, 8, 1376, 256
@@ -297,8 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         reference = base(input_ids=probe).logits
         for layout in list(LAYOUTS)[1:]:
-            mode, impl = LAYOUTS[layout]
-            wrapped = ConnectivityWrapper(mode=mode, impl=impl)(copy.deepcopy(base))
+            mode, impl, state_grads = LAYOUTS[layout]
+            wrapper = ConnectivityWrapper(mode=mode, impl=impl, state_grads=state_grads)
+            wrapped = wrapper(copy.deepcopy(base))
             same = torch.equal(wrapped(input_ids=probe).logits, reference)
             print(f"identity at init ({layout} vs residual): {same}")
             if not same:
