@@ -58,6 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from ada_modules.nn import ANCReStack, ConnectivityRouter, MLPResNet
+from ada_modules.nn.ancre_router import StateGrads
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -190,7 +191,7 @@ def run_deep_linear(args: argparse.Namespace, seeds: list[int]) -> list[dict]:
 
 
 def _overhead_models(
-    mode: str, quick: bool, state_grads: str = "autograd"
+    mode: str, quick: bool, state_grads: StateGrads = "autograd"
 ) -> dict[str, tuple[nn.Module, Callable[[nn.Module], Tensor]]]:
     from ada_modules.models import CausalLMModule
     from ada_modules.nn import ConnectivityWrapper
@@ -231,14 +232,11 @@ def _overhead_models(
 def run_overhead(rounds: int, quick: bool) -> list[dict]:
     """Extra parameters and forward+backward time of each layout against residual.
 
-    The layouts are timed in interleaved rounds (A, B, C, D, A, B, ...) on the same inputs; the
+    The layouts are timed in interleaved rounds (A, B, C, ..., A, B, ...) on the same inputs; the
     median over rounds of the per-round time is reported.
     """
     modes = ("residual", "rezero", "denseformer", "source", "source_deferred")
-    built = {
-        mode: _overhead_models(mode.removesuffix("_deferred"), quick, "autograd")
-        for mode in modes[:-1]
-    }
+    built = {mode: _overhead_models(mode, quick) for mode in modes[:-1]}
     # ANCRe with each state's gradient as one sum over the later rows (state_grads="deferred")
     built["source_deferred"] = _overhead_models("source", quick, "deferred")
     records = []

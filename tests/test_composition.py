@@ -33,8 +33,8 @@ for a few steps (loss must go down), then tests it with a short ``generate`` thr
 cache. Every AdERA row also runs with ``ModelParallelStrategy`` and must end bitwise equal. All
 2-rank runs share one forked pair of gloo processes. The ``slow`` suite runs the 3-wise rows
 (strength 3: every triple of values of three factors) the same way; the full product runs
-instead on request, with ``ADA_COMPOSITION_FULL=1`` (384 rows, roughly 12 minutes on CI's 2
-cores; 288 rows took 9)::
+instead on request, with ``ADA_COMPOSITION_FULL=1`` (384 rows, an estimated 12 minutes on CI's 2
+cores, scaled from 9 for 288 rows)::
 
     ADA_COMPOSITION_FULL=1 pytest -m slow tests/test_composition.py::test_three_wise_rows
 """

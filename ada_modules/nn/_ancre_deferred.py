@@ -1,102 +1,134 @@
-"""Deferred state gradients of a routed stack: each state's gradient as one column sum.
+"""Deferred state gradients of a routed stack: each state's gradient terms in one sum.
 
 Term by term, autograd gives a state ``x_j`` one gradient term ``c_rj * g_r`` for every later row
 ``r`` that reads it (``g_r`` is the gradient of the row's routed sum) and adds the terms one at a
 time, each a pass over a state-sized tensor. With ``state_grads="deferred"`` (see
-:class:`~ada_modules.nn.ancre_router.ConnectivityRouter`) a row's backward only computes its
-coefficients' gradients and copies ``g_r`` into a :class:`GradientLedger`. The state's own
-backward (a tap placed on ``x_j`` when it was recorded) then adds ``sum_r c_rj g_r`` in one
-matrix-vector product over the ledger. Autograd runs the tap only after every row that read
-``x_j`` (they consume the tapped tensor), so the sum is complete when it is taken.
+:class:`~ada_modules.nn.ancre_router.ConnectivityRouter`) a row's backward computes its
+coefficients' gradients and copies ``g_r`` into a :class:`GradientLedger`. A tensor hook that the
+ledger registered on ``x_j`` when the block returned it then adds ``sum_r c_rj g_r`` in one
+matrix-vector product. Autograd runs a tensor's hooks once its gradient is complete (after every
+row that read it) and before the hooks registered later, ``retain_grad`` and the gradients that
+``torch.autograd.grad`` returns, so all of them see the full gradient. A row's own current state
+(its block's input, which need not be a recorded state) gets its term through autograd as usual.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-__all__ = ["GradientLedger", "deferred_routed_sum", "tap_state"]
+__all__ = ["GradientLedger", "deferred_routed_sum"]
+
+_ROW_ARGS = 5  # _DeferredRow.forward's arguments before the states
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _task() -> int:
     return torch._C._current_graph_task_id()
 
 
+def _in_compiled_autograd() -> bool:
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")  # imported when in use
+    flag = getattr(compiled, "in_compiled_autograd_region", False)
+    return bool(flag() if callable(flag) else flag)
+
+
 class GradientLedger:
     """The rows' output gradients of one forward pass, until the states they read collect them.
 
-    ``tapped`` holds the positions of the states whose backward collects (block outputs; the stack
-    input is not tapped, so rows return its gradient themselves). Entries are tagged with the
-    backward pass (graph task) that made them, so a partial backward (``torch.autograd.grad`` of an
-    intermediate state) leaves nothing that a later backward would count twice. The buffer is
-    released as soon as no entry of the running backward pass is pending.
+    Built from the stack input ``like``: rows whose states differ from it in dtype, device or shape
+    keep autograd's sums (:meth:`fits`). Each backward pass (graph task) gets its own buffer of
+    ``num_rows`` state-sized rows, dropped when that backward pass ends, so a partial backward
+    (``torch.autograd.grad`` of an intermediate state, ``backward(inputs=...)``) keeps nothing
+    and a later one counts every term once.
     """
 
-    def __init__(self) -> None:
-        self.tapped: set[int] = set()
-        self._like: tuple[torch.dtype, torch.device, int] | None = None
-        self._buffer: torch.Tensor | None = None
-        self._pending: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+    def __init__(self, like: torch.Tensor, num_rows: int) -> None:
+        # position -> the state and its version when watched
+        self.watched: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.num_rows = num_rows
+        self._layout = (like.dtype, like.device, like.shape)
+        self._tasks: dict[int, tuple[torch.Tensor, dict[int, list[tuple[int, torch.Tensor]]]]] = {}
 
-    def accepts(self, state: torch.Tensor) -> bool:
-        """Whether a row of states like ``state`` can defer: one dtype, device and size per pass,
-        those of the first row that does (the buffer holds its gradients)."""
-        like = (state.dtype, state.device, state.numel())
-        if self._like is None:
-            self._like = like
-        return like == self._like
+    def fits(self, state: torch.Tensor) -> bool:
+        """Whether the gradients of a row of states like ``state`` fit the ledger's buffer."""
+        return (state.dtype, state.device, state.shape) == self._layout
+
+    def watch(self, state: torch.Tensor, index: int) -> None:
+        """Complete the gradient of ``state`` (position ``index``) with the rows' deferred terms."""
+        ledger = weakref.ref(self)
+        shape, dtype = state.shape, state.dtype
+
+        def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
+            owner = ledger()
+            if owner is None:
+                return grad
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "state_grads='deferred' takes no double backward (create_graph=True); "
+                    "use state_grads='autograd'"
+                )
+            return owner.collect(index, grad, shape, dtype)
+
+        state.register_hook(hook)
+        self.watched[index] = (weakref.ref(state), state._version)
+
+    def defers(self, index: int, state: torch.Tensor) -> bool:
+        """Whether a row's term for ``state`` (position ``index``) goes through the ledger: it is
+        the watched tensor, unchanged since (a state changed in place gets its terms through
+        autograd)."""
+        ref, version = self.watched.get(index, (None, -1))
+        return ref is not None and ref() is state and state._version == version
 
     def deposit(
-        self,
-        row: int,
-        grad: torch.Tensor,
-        sources: Sequence[int],
-        coeffs: torch.Tensor,
-        num_rows: int,
+        self, row: int, grad: torch.Tensor, terms: Sequence[tuple[int, torch.Tensor]]
     ) -> None:
-        """Keep row ``row``'s output gradient for the tapped ``sources`` (coefficients ``coeffs``)."""
+        """Keep row ``row``'s output gradient for its watched sources: ``(source, coefficient)``."""
         task = _task()
-        if self._buffer is None:
-            self._buffer = grad.new_empty(num_rows, grad.numel())
-        self._buffer[row].copy_(grad.reshape(-1))
-        for j, c in zip(sources, coeffs, strict=True):
-            self._pending.setdefault(j, []).append((task, row, c))
+        if task not in self._tasks:
+            if _in_compiled_autograd():
+                raise RuntimeError(
+                    "state_grads='deferred' does not run under compiled autograd; "
+                    "use state_grads='autograd'"
+                )
+            self._tasks[task] = (grad.new_empty(self.num_rows, grad.numel()), {})
+            ledger = weakref.ref(self)
 
-    def collect(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+            def drop() -> None:  # at the end of this backward pass
+                owner = ledger()
+                if owner is not None:
+                    owner._tasks.pop(task, None)
+
+            torch.autograd.Variable._execution_engine.queue_callback(drop)
+        buffer, pending = self._tasks[task]
+        buffer[row].copy_(grad.reshape(-1))
+        for j, c in terms:
+            pending.setdefault(j, []).append((row, c))
+
+    def collect(
+        self, index: int, grad: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype
+    ) -> torch.Tensor | None:
         """``grad + sum_r c_r,index g_r`` over the rows of this backward pass that read the state."""
-        task = _task()
-        entries = [(row, c) for t, row, c in self._pending.pop(index, ()) if t == task]
-        entries.sort(key=lambda entry: entry[0])
-        if entries:
-            rows = [row for row, _ in entries]
-            step = rows[1] - rows[0] if len(rows) > 1 else 1
-            if rows == list(range(rows[0], rows[-1] + 1, step)):  # a strided view, no copy
-                grads = self._buffer[rows[0] : rows[-1] + 1 : step]
-            else:
-                grads = self._buffer[rows]
-            coeffs = torch.stack([c for _, c in entries]).to(grad.dtype)
-            grad = torch.addmv(grad.reshape(-1), grads.t(), coeffs).view_as(grad)
-        if not any(t == task for waiting in self._pending.values() for t, _, _ in waiting):
-            self._pending.clear()
-            self._buffer = None
-        return grad
-
-
-class _StateTap(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx, x: torch.Tensor, ledger: GradientLedger, index: int
-    ) -> torch.Tensor:
-        ctx.ledger, ctx.index = ledger, index
-        ledger.tapped.add(index)
-        return x.view_as(x)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.ledger.collect(ctx.index, grad), None, None
+        entry = self._tasks.get(_task())
+        entries = entry[1].pop(index, None) if entry is not None else None
+        if not entries:
+            return grad
+        buffer = entry[0]
+        entries.sort(key=lambda e: e[0])
+        rows = [row for row, _ in entries]
+        step = rows[1] - rows[0] if len(rows) > 1 else 1
+        if rows == list(range(rows[0], rows[-1] + 1, step)):  # a strided view, no copy
+            grads = buffer[rows[0] : rows[-1] + 1 : step]
+        else:  # top_k rows: gathered
+            grads = buffer[rows]
+        coeffs = torch.stack([c for _, c in entries])
+        if grad is None:
+            return torch.mv(grads.t(), coeffs).view(shape).to(dtype)
+        return torch.addmv(grad.reshape(-1), grads.t(), coeffs).view_as(grad)
 
 
 class _DeferredRow(torch.autograd.Function):
@@ -106,13 +138,14 @@ class _DeferredRow(torch.autograd.Function):
         coeffs: torch.Tensor,
         ledger: GradientLedger,
         row: int,
-        num_rows: int,
         sources: tuple[int, ...],
         summed: Callable[[Sequence[torch.Tensor], torch.Tensor], torch.Tensor],
         *states: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.ledger, ctx.row, ctx.num_rows, ctx.sources = ledger, row, num_rows, sources
-        ctx.tapped = [j in ledger.tapped for j in sources]
+        ctx.ledger, ctx.row, ctx.sources = ledger, row, sources
+        ctx.deferred = [
+            j != row and ledger.defers(j, s) for j, s in zip(sources, states, strict=True)
+        ]
         ctx.save_for_backward(coeffs, *states)
         return summed(states, coeffs)
 
@@ -122,23 +155,22 @@ class _DeferredRow(torch.autograd.Function):
         coeffs, *states = ctx.saved_tensors
         dcoeffs = None
         if ctx.needs_input_grad[0]:
-            flat = grad.reshape(-1)
-            dcoeffs = torch.stack([torch.dot(s.reshape(-1), flat) for s in states])
-            dcoeffs = dcoeffs.to(coeffs.dtype).view_as(coeffs)
-        used = coeffs.detach().reshape(-1).to(grad.dtype)
-        tapped = [k for k, t in enumerate(ctx.tapped) if t]
-        if tapped:
-            ctx.ledger.deposit(
-                ctx.row, grad, [ctx.sources[k] for k in tapped], used[tapped], ctx.num_rows
-            )
-        needs = ctx.needs_input_grad[6:]
-        dstates = [None if t or not needs[k] else used[k] * grad for k, t in enumerate(ctx.tapped)]
-        return (dcoeffs, None, None, None, None, None, *dstates)
-
-
-def tap_state(x: torch.Tensor, ledger: GradientLedger, index: int) -> torch.Tensor:
-    """``x`` (a view of it) whose backward adds the deferred gradients of state ``index``."""
-    return _StateTap.apply(x, ledger, index)
+            # fp32 dot products for half-precision states, as the fused kernel accumulates
+            low = grad.dtype in _LOW_PRECISION
+            flat = grad.reshape(-1).float() if low else grad.reshape(-1)
+            dots = [
+                torch.dot(s.reshape(-1).float() if low else s.reshape(-1), flat) for s in states
+            ]
+            dcoeffs = torch.stack(dots).to(coeffs.dtype).view_as(coeffs)
+        used = coeffs.detach().reshape(-1).to(grad.dtype).unbind()
+        deferred = [(ctx.sources[k], used[k]) for k, d in enumerate(ctx.deferred) if d]
+        if deferred:
+            ctx.ledger.deposit(ctx.row, grad, deferred)
+        needs = ctx.needs_input_grad[_ROW_ARGS:]
+        dstates = [
+            None if d or not needs[k] else used[k] * grad for k, d in enumerate(ctx.deferred)
+        ]
+        return (dcoeffs, None, None, None, None, *dstates)
 
 
 def deferred_routed_sum(
@@ -146,31 +178,31 @@ def deferred_routed_sum(
     coeffs: torch.Tensor,
     sources: Sequence[int],
     row: int,
-    num_rows: int,
     ledger: GradientLedger,
     summed: Callable[[Sequence[torch.Tensor], torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """``summed(states, coeffs)``, whose backward defers the tapped states' gradients to ``ledger``.
+    """``summed(states, coeffs)``, whose backward defers the watched states' terms to ``ledger``.
 
     Args:
         states: The row's states, the state at position ``sources[k]`` being ``states[k]``.
         coeffs: One coefficient per state, ``(n,)`` or ``(n, 1)``.
         sources: Positions of the states in the stack.
-        row: The row's index in the ledger, below ``num_rows``.
-        num_rows: Rows of the ledger's buffer.
-        ledger: The pass's ledger.
+        row: The row's position: its state ``row`` (the current one) is never deferred.
+        ledger: The pass's ledger; states it watches get their terms from it.
         summed: The forward routed sum (fused or term by term).
 
     Examples:
-        >>> ledger = GradientLedger()
         >>> x0 = torch.ones(3, requires_grad=True)
-        >>> x1 = tap_state(x0 * 2, ledger, 1)
-        >>> c = torch.tensor([0.5, 0.25], requires_grad=True)
+        >>> ledger = GradientLedger(x0, num_rows=3)
+        >>> x1 = x0 * 2
+        >>> ledger.watch(x1, 1)
+        >>> c = torch.tensor([0.5, 0.25, 1.0], requires_grad=True)
+        >>> x2 = x1.tanh()
         >>> out = deferred_routed_sum(
-        ...     [x0, x1], c, [0, 1], 0, 1, ledger, lambda s, c: c[0] * s[0] + c[1] * s[1]
+        ...     [x0, x1, x2], c, [0, 1, 2], 2, ledger, lambda s, c: c[0] * s[0] + c[1] * s[1] + c[2] * s[2]
         ... )
         >>> out.sum().backward()
-        >>> x0.grad.tolist(), c.grad.tolist()  # 0.5 + 2 * 0.25 per element; sum(x0), sum(x1)
-        ([1.0, 1.0, 1.0], [3.0, 6.0])
+        >>> torch.allclose(x0.grad, 0.5 + 2 * (0.25 + 1.0 * (1 - x1.detach().tanh() ** 2)))
+        True
     """
-    return _DeferredRow.apply(coeffs, ledger, row, num_rows, tuple(sources), summed, *states)
+    return _DeferredRow.apply(coeffs, ledger, row, tuple(sources), summed, *states)

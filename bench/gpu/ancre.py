@@ -26,7 +26,8 @@ What it measures (issues 6 and 27), in one run on one GPU:
    its run; ``>`` means not reached within the budget).
 
 Each layout trains for ``--steps`` steps or ``--train-seconds`` seconds, whichever comes first (the
-default budget keeps the whole script under about 7 minutes on an H200). Timing: CUDA-synchronised
+default budget, 60 s for each of the five layouts, is meant to keep the whole script under about 7
+minutes on an H200; it has not run on one yet). Timing: CUDA-synchronised
 ``time.perf_counter`` per step; the median over the steps after a 20-step warm-up.
 
 Run it (one H200)::

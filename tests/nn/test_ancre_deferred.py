@@ -6,9 +6,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ada_modules.errors import InputError
-from ada_modules.kernels import routed_sum_reference
-from ada_modules.nn import ConnectivityRouter, ConnectivityWrapper, MLPResNet
-from ada_modules.nn._ancre_deferred import GradientLedger, deferred_routed_sum, tap_state
+from ada_modules.nn import ConnectivityRouter, ConnectivityWrapper, MLPResNet, ancre_router
+from ada_modules.nn._ancre_deferred import GradientLedger
 
 
 def _graph_nodes(t: torch.Tensor) -> set[str]:
@@ -46,7 +45,8 @@ def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 def _assert_close(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
     assert len(expected) == len(got)
     for e, g in zip(expected, got, strict=True):
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+        # float32 sums in another order: errors scale with the largest entry, not each entry
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6 * max(1.0, e.abs().max().item()))
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_gradients_equal_autograds(seed, options):
     x = torch.randn(5, 8)
     assert torch.equal(plain(x), deferred(x))  # the forward pass is the same arithmetic
     out = deferred(x.detach().requires_grad_())
-    assert {"_DeferredRowBackward", "_StateTapBackward"} <= _graph_nodes(out)
+    assert "_DeferredRowBackward" in _graph_nodes(out)
     _assert_close(_grads(plain, x), _grads(deferred, x))
 
 
@@ -104,18 +104,64 @@ def test_hf_decoder_gradients_equal_autograds(seed):
     _assert_close(*grads)
 
 
-@pytest.mark.parametrize("mode", ["source", "input"])
-def test_partial_backward_then_full_backward_counts_each_term_once(seed, mode):
+def _observed(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Block 2's output gradient as ``autograd.grad``, a hook and ``retain_grad`` see it, then the
+    parameters' gradients of a full backward after that partial one."""
+    model.zero_grad(set_to_none=True)
+    kept = []
+    handle = model.layers[2].register_forward_hook(lambda module, args, out: kept.append(out))
+    loss = model(x).square().mean()
+    handle.remove()
+    (partial,) = torch.autograd.grad(loss, kept[0], retain_graph=True)  # the later rows only
+    seen = []
+    kept[0].register_hook(seen.append)
+    kept[0].retain_grad()
+    loss.backward()
+    return [partial, seen[0], kept[0].grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["source", "input", "denseformer"])
+def test_partial_gradients_hooks_and_retain_grad_see_the_full_gradient(seed, mode):
     plain, deferred = _pair(mode=mode)
     x = torch.randn(5, 8)
-    expected = _grads(plain, x)[1:]
-    kept = []
-    hook = deferred.layers[2].register_forward_hook(lambda module, args, out: kept.append(out))
-    loss = deferred(x).square().mean()
-    hook.remove()
-    torch.autograd.grad(loss, kept[0], retain_graph=True)  # runs the later rows only
-    loss.backward()
-    _assert_close(expected, [p.grad for p in deferred.parameters()])
+    expected = _observed(plain, x)
+    assert all(g is not None for g in expected)
+    _assert_close(expected, _observed(deferred, x))
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["scaled", "scaled_in_place"])
+@pytest.mark.parametrize("mode", ["source", "input", "denseformer"])
+def test_an_operation_between_blocks_keeps_the_gradients_exact(seed, mode, in_place):
+    plain, deferred = _pair(mode=mode)
+    x = torch.randn(5, 8)
+
+    def grads(model: MLPResNet) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        h = x
+        for layer in model.layers:
+            h = layer(h)
+            h = h.mul_(1.5) if in_place else h * 1.5
+        h.square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    _assert_close(grads(plain), grads(deferred))
+
+
+def test_a_backward_with_inputs_keeps_no_buffer(seed, monkeypatch):
+    ledgers = []
+
+    class Recorded(GradientLedger):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)
+            ledgers.append(self)
+
+    monkeypatch.setattr(ancre_router, "GradientLedger", Recorded)
+    _, deferred = _pair(mode="source")
+    loss = deferred(torch.randn(5, 8)).square().mean()
+    loss.backward(inputs=[deferred.layers[4].block[0].weight], retain_graph=True)
+    assert len(ledgers) == 1 and ledgers[0]._tasks == {}
+    loss.backward()  # the full backward after it also ends with nothing kept
+    assert ledgers[0]._tasks == {}
 
 
 def test_retained_graph_accumulates_two_backward_passes(seed):
@@ -135,6 +181,7 @@ def test_checkpointed_blocks_fall_back_to_autograd(seed):
     h = x
     for layer in deferred.layers:
         h = checkpoint(layer, h, use_reentrant=False)
+    assert "_DeferredRowBackward" not in _graph_nodes(h)
     h.square().mean().backward()
     _assert_close(expected, [p.grad for p in deferred.parameters()])
 
@@ -147,33 +194,18 @@ def test_bfloat16_gradients_are_close_to_autograds(seed):
         torch.testing.assert_close(g, e, rtol=0.05, atol=0.05)
 
 
-def test_the_ledger_is_released_after_the_backward_pass():
-    ledger = GradientLedger()
-    x0 = torch.randn(4, requires_grad=True)
-    x1 = tap_state(x0.tanh(), ledger, 1)
-    c = torch.tensor([0.3, -0.7], requires_grad=True)
-    out = deferred_routed_sum([x0, x1], c, [0, 1], 1, 2, ledger, routed_sum_reference)
-    x2 = tap_state(out * 2, ledger, 2)
-    x2.sum().backward()
-    expected = 2 * (0.3 + (-0.7) * (1 - x0.detach().tanh() ** 2))
-    torch.testing.assert_close(x0.grad, expected)
-    assert ledger._buffer is None and not ledger._pending
-
-
-def test_the_ledger_takes_rows_of_one_dtype_and_size_only():
-    ledger = GradientLedger()
-    assert ledger.accepts(torch.zeros(2, 3))
-    assert ledger.accepts(torch.ones(3, 2))  # same size: its gradients fit the buffer's rows
-    assert not ledger.accepts(torch.zeros(2, 3, dtype=torch.bfloat16))
-    assert not ledger.accepts(torch.zeros(2, 4))
+def test_the_ledger_takes_rows_like_the_stack_input_only():
+    ledger = GradientLedger(torch.zeros(2, 3), num_rows=4)
+    assert ledger.fits(torch.ones(2, 3))
+    assert not ledger.fits(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert not ledger.fits(torch.zeros(3, 2))
 
 
 def test_double_backward_raises_instead_of_missing_terms(seed):
     _, deferred = _pair(mode="source")
     x = torch.randn(5, 8, requires_grad=True)
-    (grad,) = torch.autograd.grad(deferred(x).square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
-        grad.sum().backward()
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(deferred(x).square().sum(), x, create_graph=True)
 
 
 @pytest.mark.parametrize(
@@ -189,3 +221,31 @@ def test_double_backward_raises_instead_of_missing_terms(seed):
 def test_bad_state_grads_is_named(kwargs, match):
     with pytest.raises(InputError, match=match):
         ConnectivityRouter(3, **kwargs)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("init_seed", [0, 1, 2])
+def test_bfloat16_coefficient_gradients_are_as_accurate_as_the_fused_kernels(init_seed):
+    """bf16 states, float32 coefficients (a bf16 model wrapped): the deferred rows' dot products
+    accumulate in float32, as the fused backward kernel does."""
+    torch.manual_seed(init_seed)
+    reference = MLPResNet(16, depth=6, norm=False, mode="source", impl="torch")
+    with torch.no_grad():
+        for p in reference.router.parameters():
+            p.normal_()
+    reference.double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    reference(x).square().mean().backward()
+    exact = reference.router.logits.grad
+
+    def error(state_grads: str) -> float:
+        model = MLPResNet(
+            16, depth=6, norm=False, mode="source", impl="triton", state_grads=state_grads
+        )
+        model.load_state_dict({k: v.float() for k, v in reference.state_dict().items()})
+        model.layers.bfloat16()  # the router keeps float32 coefficients
+        model(x.bfloat16()).float().square().mean().backward()
+        got = model.router.logits.grad.double()
+        return ((got - exact).abs().max() / exact.abs().max()).item()
+
+    assert error("deferred") <= 1.5 * error("autograd")
