@@ -7,9 +7,11 @@ time, each a pass over a state-sized tensor. With ``state_grads="deferred"`` (se
 coefficients' gradients and copies ``g_r`` into a :class:`GradientLedger`. A tensor hook that the
 ledger registered on ``x_j`` when the block returned it then adds ``sum_r c_rj g_r`` in one
 matrix-vector product. Autograd runs a tensor's hooks once its gradient is complete (after every
-row that read it) and before the hooks registered later, ``retain_grad`` and the gradients that
-``torch.autograd.grad`` returns, so all of them see the full gradient. A row's own current state
-(its block's input, which need not be a recorded state) gets its term through autograd as usual.
+row that read it) and before the hooks registered later, ``retain_grad`` and
+``torch.autograd.grad`` of that tensor, so all of them see the full gradient (not
+``torch.autograd.grad`` of the tensor together with an earlier one: the engine captures it on the
+way, before the hooks). A row's own current state (its block's input, which need not be a
+recorded state) gets its term through autograd as usual.
 """
 
 from __future__ import annotations
@@ -61,7 +63,6 @@ class GradientLedger:
     def watch(self, state: torch.Tensor, index: int) -> None:
         """Complete the gradient of ``state`` (position ``index``) with the rows' deferred terms."""
         ledger = weakref.ref(self)
-        shape, dtype = state.shape, state.dtype
 
         def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
             owner = ledger()
@@ -72,7 +73,7 @@ class GradientLedger:
                     "state_grads='deferred' takes no double backward (create_graph=True); "
                     "use state_grads='autograd'"
                 )
-            return owner.collect(index, grad, shape, dtype)
+            return owner.collect(index, grad)
 
         state.register_hook(hook)
         self.watched[index] = (weakref.ref(state), state._version)
@@ -86,8 +87,13 @@ class GradientLedger:
 
     def deposit(
         self, row: int, grad: torch.Tensor, terms: Sequence[tuple[int, torch.Tensor]]
-    ) -> None:
-        """Keep row ``row``'s output gradient for its watched sources: ``(source, coefficient)``."""
+    ) -> set[int]:
+        """Keep row ``row``'s output gradient for its watched sources: ``(source, coefficient)``.
+
+        Returns the sources that no other row of this backward pass deposited for: the row gives
+        them a zero gradient through autograd, so that their hooks get a tensor to add to (a hook
+        cannot replace a missing gradient).
+        """
         task = _task()
         if task not in self._tasks:
             if _in_compiled_autograd():
@@ -106,13 +112,14 @@ class GradientLedger:
             torch.autograd.Variable._execution_engine.queue_callback(drop)
         buffer, pending = self._tasks[task]
         buffer[row].copy_(grad.reshape(-1))
+        first = {j for j, _ in terms if j not in pending}
         for j, c in terms:
             pending.setdefault(j, []).append((row, c))
+        return first
 
-    def collect(
-        self, index: int, grad: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype
-    ) -> torch.Tensor | None:
-        """``grad + sum_r c_r,index g_r`` over the rows of this backward pass that read the state."""
+    def collect(self, index: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """``grad + sum_r c_r,index g_r`` over the rows of this backward pass that read the state
+        (``grad`` is a tensor whenever a row deposited: that row gave it a zero)."""
         entry = self._tasks.get(_task())
         entries = entry[1].pop(index, None) if entry is not None else None
         if not entries:
@@ -126,8 +133,6 @@ class GradientLedger:
         else:  # top_k rows: gathered
             grads = buffer[rows]
         coeffs = torch.stack([c for _, c in entries])
-        if grad is None:
-            return torch.mv(grads.t(), coeffs).view(shape).to(dtype)
         return torch.addmv(grad.reshape(-1), grads.t(), coeffs).view_as(grad)
 
 
@@ -155,21 +160,27 @@ class _DeferredRow(torch.autograd.Function):
         coeffs, *states = ctx.saved_tensors
         dcoeffs = None
         if ctx.needs_input_grad[0]:
-            # fp32 dot products for half-precision states, as the fused kernel accumulates
-            low = grad.dtype in _LOW_PRECISION
-            flat = grad.reshape(-1).float() if low else grad.reshape(-1)
-            dots = [
-                torch.dot(s.reshape(-1).float() if low else s.reshape(-1), flat) for s in states
-            ]
+            # half-precision states: summed in float32, as the fused kernel accumulates
+            if grad.dtype in _LOW_PRECISION:
+                dots = [(s * grad).sum(dtype=torch.float32) for s in states]
+            else:
+                flat = grad.reshape(-1)
+                dots = [torch.dot(s.reshape(-1), flat) for s in states]
             dcoeffs = torch.stack(dots).to(coeffs.dtype).view_as(coeffs)
         used = coeffs.detach().reshape(-1).to(grad.dtype).unbind()
         deferred = [(ctx.sources[k], used[k]) for k, d in enumerate(ctx.deferred) if d]
-        if deferred:
-            ctx.ledger.deposit(ctx.row, grad, deferred)
+        first = ctx.ledger.deposit(ctx.row, grad, deferred) if deferred else set()
         needs = ctx.needs_input_grad[_ROW_ARGS:]
-        dstates = [
-            None if d or not needs[k] else used[k] * grad for k, d in enumerate(ctx.deferred)
-        ]
+        dstates = []
+        for k, d in enumerate(ctx.deferred):
+            if not needs[k]:
+                dstates.append(None)
+            elif not d:
+                dstates.append(used[k] * grad)
+            elif ctx.sources[k] in first:
+                dstates.append(grad.new_zeros(()).expand_as(grad))
+            else:
+                dstates.append(None)
         return (dcoeffs, None, None, None, None, *dstates)
 
 

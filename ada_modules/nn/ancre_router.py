@@ -70,7 +70,7 @@ class ConnectivityRouter(nn.Module):
         state_grads: How a state gets the gradients of the later rows that read it:
             ``"autograd"`` adds them term by term; ``"deferred"`` adds them in one
             matrix-vector product per state (:mod:`ada_modules.nn._ancre_deferred`; on CPU, term
-            by term, an estimated 43 % fewer bytes for the routed sums, forward and backward).
+            by term and float32 states, an estimated 41 % fewer bytes for the routed sums).
             ``"deferred"`` needs one coefficient per state (not ``per_channel``) and takes no
             double backward nor compiled autograd. Blocks that run under saved-tensor hooks
             (gradient checkpointing, ``save_on_cpu``) or ``torch.compile``, and states changed
