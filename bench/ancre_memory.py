@@ -20,7 +20,8 @@ gradient in one buffer of ``K + 1`` states until the pass ends; term by term, au
 gradients of the states that later rows have read and not yet given to their blocks. Linux only
 (``/proc``). Writes ``--out/ancre_memory.json``. Reports only; no assertion on the numbers.
 
-Example (about 5 minutes on one core; ``--dtypes float32 bfloat16`` adds bf16, ``--quick`` takes one)::
+Example (about 5 minutes on one core; ``--dtypes float32 bfloat16`` adds bf16; ``--quick``, 256
+rows and three layouts, takes about 50 s)::
 
     python bench/ancre_memory.py --out /tmp/mem
 """
