@@ -16,9 +16,9 @@ Columns, in units of ``S`` (the bytes of one state, ``rows x 512`` elements): th
 forward pass leaves for the backward (saved activations and the graph), and in each regime the
 step's peak above the memory at its start and that peak minus residual's. ``source_deferred``
 and ``input_deferred`` use ``state_grads="deferred"``, whose backward keeps every row's output
-gradient in one buffer of ``K + 1`` states until the pass ends; term by term, autograd holds the
-gradients of the states that later rows have read and not yet given to their blocks. Linux only
-(``/proc``). Writes ``--out/ancre_memory.json``. Reports only; no assertion on the numbers.
+gradient until the pass ends, in pieces of 1, 2, 4, ... states allocated as rows arrive; term by
+term, autograd holds the gradients of the states that later rows have read and not yet given to
+their blocks. Linux only (``/proc``). Writes ``--out/ancre_memory.json``. Reports only; no assertion on the numbers.
 
 Example (about 5 minutes on one core; ``--dtypes float32 bfloat16`` adds bf16; ``--quick``, 256
 rows and three layouts, takes about 50 s)::

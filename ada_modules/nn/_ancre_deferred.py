@@ -1,14 +1,15 @@
-"""Deferred state gradients of a routed stack: each state's gradient terms in one sum.
+"""Deferred state gradients of a routed stack: each state's gradient terms in a few products.
 
 Term by term, autograd gives a state ``x_j`` one gradient term ``c_rj * g_r`` for every later row
 ``r`` that reads it (``g_r`` is the gradient of the row's routed sum) and adds the terms one at a
 time, each a pass over a state-sized tensor. With ``state_grads="deferred"`` (see
 :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`) a row's backward computes its
 coefficients' gradients and copies ``g_r`` into a :class:`GradientLedger`. A tensor hook that the
-ledger registered on ``x_j`` when the block returned it then adds ``sum_r c_rj g_r`` in one
-matrix-vector product. Autograd runs a tensor's hooks once its gradient is complete (after every
-row that read it) and before the hooks registered later, ``retain_grad`` and
-``torch.autograd.grad`` of that tensor, so all of them see the full gradient (not
+ledger registered on ``x_j`` when the block returned it then adds ``sum_r c_rj g_r``: one
+matrix-vector product per piece of the kept gradients that the rows span (pieces double in size,
+so at most ``log2`` of the depth plus one). Autograd runs a tensor's hooks once its gradient is
+complete (after every row that read it) and before the hooks registered later, ``retain_grad``
+and ``torch.autograd.grad`` of that tensor, so all of them see the full gradient (not
 ``torch.autograd.grad`` of the tensor together with an earlier one: the engine captures it on the
 way, before the hooks). A row's own current state (its block's input, which need not be a
 recorded state) gets its term through autograd as usual.
@@ -43,8 +44,8 @@ class GradientLedger:
     """The rows' output gradients of one forward pass, until the states they read collect them.
 
     Built from the stack input ``like``: rows whose states differ from it in dtype, device or shape
-    keep autograd's sums (:meth:`fits`). Each backward pass (graph task) gets its own buffer of
-    ``num_rows`` state-sized rows, dropped when that backward pass ends, so a partial backward
+    keep autograd's sums (:meth:`fits`). Each backward pass (graph task) gets its own
+    :class:`_PassGradients`, dropped when that backward pass ends, so a partial backward
     (``torch.autograd.grad`` of an intermediate state, ``backward(inputs=...)``) keeps nothing
     and a later one counts every term once.
     """
@@ -54,7 +55,7 @@ class GradientLedger:
         self.watched: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.num_rows = num_rows
         self._layout = (like.dtype, like.device, like.shape)
-        self._tasks: dict[int, tuple[torch.Tensor, dict[int, list[tuple[int, torch.Tensor]]]]] = {}
+        self._tasks: dict[int, _PassGradients] = {}
 
     def fits(self, state: torch.Tensor) -> bool:
         """Whether the gradients of a row of states like ``state`` fit the ledger's buffer."""
@@ -101,7 +102,7 @@ class GradientLedger:
                     "state_grads='deferred' does not run under compiled autograd; "
                     "use state_grads='autograd'"
                 )
-            self._tasks[task] = (grad.new_empty(self.num_rows, grad.numel()), {})
+            self._tasks[task] = _PassGradients(self.num_rows)
             ledger = weakref.ref(self)
 
             def drop() -> None:  # at the end of this backward pass
@@ -110,30 +111,75 @@ class GradientLedger:
                     owner._tasks.pop(task, None)
 
             torch.autograd.Variable._execution_engine.queue_callback(drop)
-        buffer, pending = self._tasks[task]
-        buffer[row].copy_(grad.reshape(-1))
-        first = {j for j, _ in terms if j not in pending}
+        kept = self._tasks[task]
+        kept.keep(row, grad)
+        first = {j for j, _ in terms if j not in kept.pending}
         for j, c in terms:
-            pending.setdefault(j, []).append((row, c))
+            kept.pending.setdefault(j, []).append((row, c))
         return first
 
     def collect(self, index: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """``grad + sum_r c_r,index g_r`` over the rows of this backward pass that read the state
         (``grad`` is a tensor whenever a row deposited: that row gave it a zero)."""
-        entry = self._tasks.get(_task())
-        entries = entry[1].pop(index, None) if entry is not None else None
+        kept = self._tasks.get(_task())
+        entries = kept.pending.pop(index, None) if kept is not None else None
         if not entries:
             return grad
-        buffer = entry[0]
-        entries.sort(key=lambda e: e[0])
-        rows = [row for row, _ in entries]
-        step = rows[1] - rows[0] if len(rows) > 1 else 1
-        if rows == list(range(rows[0], rows[-1] + 1, step)):  # a strided view, no copy
-            grads = buffer[rows[0] : rows[-1] + 1 : step]
-        else:  # top_k rows: gathered
-            grads = buffer[rows]
-        coeffs = torch.stack([c for _, c in entries])
-        return torch.addmv(grad.reshape(-1), grads.t(), coeffs).view_as(grad)
+        return kept.add_to(grad, entries)
+
+
+class _PassGradients:
+    """One backward pass's kept row gradients, in pieces allocated as the rows arrive.
+
+    Pieces double in size (1, 2, 4, ... rows, the last cut to the rows left): the first row's
+    backward, while every activation is still saved, allocates one state, and the larger pieces
+    come once the blocks behind them have freed their activations. (On CUDA the caching allocator
+    counts an allocation whole when made; on CPU only its written pages count.) A state's sum takes
+    one matrix-vector product per piece its rows span, at most ``ceil(log2(num_rows + 1))``.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+        self.pieces: list[torch.Tensor] = []
+        self.where: dict[int, tuple[int, int]] = {}  # row -> (piece, slot)
+        self.pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # state -> (row, coeff)
+        self._free = 0  # unused slots of the last piece
+
+    def keep(self, row: int, grad: torch.Tensor) -> None:
+        """Copy row ``row``'s output gradient into the next free slot."""
+        if self._free == 0:
+            size = min(
+                2 * len(self.pieces[-1]) if self.pieces else 1, self.num_rows - len(self.where)
+            )
+            self.pieces.append(grad.new_empty(size, grad.numel()))
+            self._free = len(self.pieces[-1])
+        piece = len(self.pieces) - 1
+        slot = len(self.pieces[piece]) - self._free
+        self.pieces[piece][slot].copy_(grad.reshape(-1))
+        self.where[row] = (piece, slot)
+        self._free -= 1
+
+    def add_to(self, grad: torch.Tensor, entries: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """``grad + sum_r c_r g_r`` over ``entries`` ``(row, c_r)``: one product per piece."""
+        by_piece: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for row, c in entries:
+            piece, slot = self.where[row]
+            by_piece.setdefault(piece, []).append((slot, c))
+        total = None
+        for piece, terms in by_piece.items():
+            terms.sort(key=lambda t: t[0])
+            slots = [slot for slot, _ in terms]
+            step = slots[1] - slots[0] if len(slots) > 1 else 1
+            if slots == list(range(slots[0], slots[-1] + 1, step)):  # a strided view, no copy
+                grads = self.pieces[piece][slots[0] : slots[-1] + 1 : step]
+            else:  # top_k rows: gathered
+                grads = self.pieces[piece][slots]
+            coeffs = torch.stack([c for _, c in terms])
+            if total is None:  # out of place: grad stays as given
+                total = torch.addmv(grad.reshape(-1), grads.t(), coeffs)
+            else:
+                total.addmv_(grads.t(), coeffs)
+        return total.view_as(grad)
 
 
 class _DeferredRow(torch.autograd.Function):

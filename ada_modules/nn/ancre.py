@@ -28,8 +28,8 @@ Memory and speed: the routed sums never stack the states, so the only activation
 states themselves, which the blocks' backward needs anyway. On CUDA they run as one fused Triton
 kernel per layer and direction (:func:`~ada_modules.kernels.routed_sum`: each state read once);
 elsewhere, and under ``torch.compile``, term by term (``addcmul``). Backward, autograd gives each
-state one gradient term per later row that reads it; ``state_grads="deferred"`` adds them in one
-matrix-vector product per state instead (:mod:`ada_modules.nn._ancre_deferred`).
+state one gradient term per later row that reads it; ``state_grads="deferred"`` adds them in a few
+matrix-vector products per state instead (:mod:`ada_modules.nn._ancre_deferred`).
 ``export_hard()`` keeps the strongest source per layer: one extra addition per re-routed layer and
 only the states that some layer reads.
 

@@ -68,11 +68,11 @@ class ConnectivityRouter(nn.Module):
             in torch otherwise), ``"triton"`` or ``"torch"`` (see
             :func:`~ada_modules.kernels.routed_sum`).
         state_grads: How a state gets the gradients of the later rows that read it:
-            ``"autograd"`` adds them term by term; ``"deferred"`` adds them in one
-            matrix-vector product per state (:mod:`ada_modules.nn._ancre_deferred`; on CPU, term
-            by term and float32 states, an estimated 41 % fewer bytes for the routed sums, and a
-            step's peak memory near the residual stack's; on CUDA, where its buffer is allocated
-            whole, a few states more than ``"autograd"``'s: ``bench/ancre_memory.py``).
+            ``"autograd"`` adds them term by term; ``"deferred"`` adds them in a few
+            matrix-vector products per state (:mod:`ada_modules.nn._ancre_deferred`; on CPU, term
+            by term and float32 states, an estimated 38 % fewer bytes for the routed sums, and a
+            step's peak memory near the residual stack's, on CPU and as the CUDA allocator counts
+            it: ``bench/ancre_memory.py``).
             ``"deferred"`` needs one coefficient per state (not ``per_channel``) and takes no
             double backward nor compiled autograd. Blocks that run under saved-tensor hooks
             (gradient checkpointing, ``save_on_cpu``) or ``torch.compile``, and states changed

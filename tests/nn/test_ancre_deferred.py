@@ -7,7 +7,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ada_modules.errors import InputError
 from ada_modules.nn import ConnectivityRouter, ConnectivityWrapper, MLPResNet, ancre_router
-from ada_modules.nn._ancre_deferred import GradientLedger
+from ada_modules.nn._ancre_deferred import GradientLedger, _PassGradients
 
 
 def _graph_nodes(t: torch.Tensor) -> set[str]:
@@ -249,6 +249,19 @@ def test_the_ledger_takes_rows_like_the_stack_input_only():
     assert ledger.fits(torch.ones(2, 3))
     assert not ledger.fits(torch.zeros(2, 3, dtype=torch.bfloat16))
     assert not ledger.fits(torch.zeros(3, 2))
+
+
+def test_kept_gradients_come_in_pieces_that_double(seed):
+    kept = _PassGradients(num_rows=13)
+    grads = torch.randn(13, 2, 3)
+    for row in reversed(range(13)):  # a backward pass meets the last row first
+        kept.keep(row, grads[row])
+    assert [len(piece) for piece in kept.pieces] == [1, 2, 4, 6]  # the last cut to the rows left
+    c = torch.randn(13)
+    grad = torch.randn(2, 3)
+    for rows in ([0, 3, 5, 6, 12], [1, 4, 7, 10], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [9]):
+        expected = grad + sum(c[r] * grads[r] for r in rows)
+        torch.testing.assert_close(kept.add_to(grad, [(r, c[r]) for r in rows]), expected)
 
 
 def test_double_backward_raises_instead_of_missing_terms(seed):
