@@ -43,8 +43,9 @@ def _in_compiled_autograd() -> bool:
 class GradientLedger:
     """The rows' output gradients of one forward pass, until the states they read collect them.
 
-    Built from the stack input ``like``: rows whose states differ from it in dtype, device or shape
-    keep autograd's sums (:meth:`fits`). Each backward pass (graph task) gets its own
+    Built from the stack input ``like`` and the number of routed rows, ``num_rows``, each of which
+    deposits at most once per backward pass. Rows whose states differ from ``like`` in dtype,
+    device or shape keep autograd's sums (:meth:`fits`). Each backward pass (graph task) gets its own
     :class:`_PassGradients`, dropped when that backward pass ends, so a partial backward
     (``torch.autograd.grad`` of an intermediate state, ``backward(inputs=...)``) keeps nothing
     and a later one counts every term once.

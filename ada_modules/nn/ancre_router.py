@@ -415,7 +415,7 @@ class ConnectivityRouter(nn.Module):
             and torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
         ):
-            p.ledger = GradientLedger(x, self.num_layers + 1)
+            p.ledger = GradientLedger(x, len(self._rows))
         self._passes.current = p
         return p
 
