@@ -18,7 +18,8 @@ step's peak above the memory at its start and that peak minus residual's. ``sour
 and ``input_deferred`` use ``state_grads="deferred"``, whose backward keeps every row's output
 gradient until the pass ends, in pieces of 1, 2, 4, ... states allocated as rows arrive; term by
 term, autograd holds the gradients of the states that later rows have read and not yet given to
-their blocks. Linux only (``/proc``). Writes ``--out/ancre_memory.json``. Reports only; no assertion on the numbers.
+their blocks. Linux only (``/proc``). Writes ``--out/ancre_memory.json``. Reports only; no
+assertion on the numbers.
 
 Example (about 5 minutes on one core; ``--dtypes float32 bfloat16`` adds bf16; ``--quick``, 256
 rows and three layouts, takes about 50 s)::

@@ -45,8 +45,8 @@ class GradientLedger:
 
     Built from the stack input ``like`` and the number of routed rows, ``num_rows``, each of which
     deposits at most once per backward pass. Rows whose states differ from ``like`` in dtype,
-    device or shape keep autograd's sums (:meth:`fits`). Each backward pass (graph task) gets its own
-    :class:`_PassGradients`, dropped when that backward pass ends, so a partial backward
+    device or shape keep autograd's sums (:meth:`fits`). Each backward pass (graph task) gets its
+    own :class:`_PassGradients`, dropped when that backward pass ends, so a partial backward
     (``torch.autograd.grad`` of an intermediate state, ``backward(inputs=...)``) keeps nothing
     and a later one counts every term once.
     """
