@@ -22,7 +22,7 @@ their blocks. Linux only (``/proc``). Writes ``--out/ancre_memory.json``. Report
 assertion on the numbers.
 
 Example (about 5 minutes on one core; ``--dtypes float32 bfloat16`` adds bf16; ``--quick``, 256
-rows and three layouts, takes about 50 s)::
+rows and three layouts, takes about a minute)::
 
     python bench/ancre_memory.py --out /tmp/mem
 """
