@@ -1,4 +1,4 @@
-"""ANCRe adapters: identity at init on HF Llama/Qwen2, timm ViT/ResNet and diffusers DiT."""
+"""ANCRe adapters: identity at init on HF Llama/Qwen2, timm ViT/ResNet/ConvNeXt, diffusers DiT."""
 
 import copy
 import warnings
@@ -105,6 +105,26 @@ def test_timm_resnet_stages_are_unchanged_at_init(seed, mode, options):
     assert torch.equal(wrapped(x), reference)
 
 
+def _convnext(depths: tuple[int, ...] = (2, 3, 1, 2), conv_mlp: bool = False) -> nn.Module:
+    return perturb(
+        timm.models.ConvNeXt(depths=depths, dims=(8, 16, 24, 32), num_classes=4, conv_mlp=conv_mlp)
+    )
+
+
+@pytest.mark.parametrize("conv_mlp", [False, True], ids=["linear_mlp", "conv_mlp"])
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_timm_convnext_stages_are_unchanged_at_init(seed, mode, options, conv_mlp):
+    convnext = _convnext(conv_mlp=conv_mlp)
+    x = torch.randn(2, 3, 32, 32)
+    reference = convnext(x)
+    wrapper = ConnectivityWrapper(mode=mode, **_options(mode, options))
+    wrapped = wrapper(copy.deepcopy(convnext))
+    assert [r.num_layers for r in wrapped.connectivity] == [2, 3, 1, 2]  # every block is routed
+    assert all(isinstance(b, RoutedBlock) for stage in wrapped.stages for b in stage.blocks)
+    assert torch.equal(wrapped(x), reference)
+
+
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_diffusers_dit_is_unchanged_at_init(seed, mode, options):
@@ -174,6 +194,13 @@ _CHECKPOINTING = {
         lambda m: m.set_grad_checkpointing(True),
         lambda m: m.layer1,
         lambda m: m(2 * _IMAGE).square().sum(),
+    ),
+    "timm_convnext": (
+        _convnext,
+        wrap_timm,
+        lambda m: m.set_grad_checkpointing(True),
+        lambda m: m.stages[0].blocks,
+        lambda m: m(_IMAGE.repeat(1, 1, 2, 2)).square().sum(),  # 32 x 32: four stages
     ),
     "diffusers_dit": (
         tiny_dit,
@@ -256,3 +283,13 @@ def test_wrap_timm_warns_when_source_mode_routes_nothing_on_a_resnet18():
         routed = wrap_timm(resnet18(), mode="input")
         assert sum(p.numel() for p in routed.connectivity.parameters()) == 4 * 3
         wrap_timm(_resnet(), mode="source")  # stage 1 has two routed blocks
+
+
+def test_wrap_timm_warns_when_source_mode_routes_nothing_on_one_block_convnext_stages():
+    with pytest.warns(UserWarning, match=r"ConvNeXt in mode='source' routes nothing.*'input'"):
+        wrapped = wrap_timm(_convnext(depths=(1, 1, 1, 1)), mode="source")
+    assert sum(p.numel() for p in wrapped.connectivity.parameters()) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        routed = wrap_timm(_convnext(depths=(1, 1, 1, 1)), mode="input")
+        assert sum(p.numel() for p in routed.connectivity.parameters()) == 4 * 3

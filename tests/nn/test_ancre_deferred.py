@@ -108,6 +108,26 @@ def test_hf_decoder_gradients_equal_autograds(seed):
     _assert_close(*grads)
 
 
+def test_timm_convnext_gradients_equal_autograds(seed):
+    import timm
+
+    settings = {"depths": (3, 2, 2, 2), "dims": (8, 16, 16, 16), "num_classes": 4}
+    base = timm.models.ConvNeXt(**settings, ls_init_value=0.5)
+    models = []
+    for state_grads in ("autograd", "deferred"):
+        model = timm.models.ConvNeXt(**settings)
+        model.load_state_dict(base.state_dict())
+        models.append(ConnectivityWrapper(mode="source", state_grads=state_grads)(model))
+    with torch.no_grad():
+        for p in models[0].connectivity.parameters():
+            p.normal_()
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    out = models[1](x)  # one router per stage, each with its own ledger
+    assert "_DeferredRowBackward" in _graph_nodes(out)
+    _assert_close(_grads(models[0], x), _grads(models[1], x))
+
+
 def _observed(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     """Block 2's output gradient as ``autograd.grad``, a hook and ``retain_grad`` see it, then the
     parameters' gradients of a full backward after that partial one."""
