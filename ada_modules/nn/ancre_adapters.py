@@ -17,8 +17,8 @@ of a resnet18) warns instead of silently adding no parameters.
   ``<decoder>.connectivity``.
 - :func:`wrap_timm`: a timm ViT-like model (``.blocks``; router at ``model.connectivity``),
   ResNet (the shape-preserving blocks ``layerN[1:]`` of each stage, one router per stage at
-  ``model.connectivity[N-1]``) or ConvNeXt (the blocks ``stages[i].blocks`` after each stage's
-  downsampling, routers at ``model.connectivity[i]``).
+  ``model.connectivity[N-1]``), ConvNeXt or Swin (the blocks ``stages[i].blocks`` /
+  ``layers[i].blocks`` after each stage's downsampling, routers at ``model.connectivity[i]``).
 - :func:`wrap_diffusers_dit`: ``transformer_blocks`` of diffusers' ``DiTTransformer2DModel``.
 - :class:`ConnectivityWrapper`: picks the adapter from the model; a callable that YAML can set
   (``CausalLMModule(model_wrapper=...)``).
@@ -126,24 +126,31 @@ def _out_channels(block: nn.Module) -> int:
     for module in reversed(list(block.modules())):
         if isinstance(module, nn.BatchNorm2d | nn.GroupNorm):
             return int(getattr(module, "num_features", None) or module.num_channels)
-        if isinstance(module, nn.LayerNorm):  # ConvNeXt: its norm keeps the block's width
+        if isinstance(module, nn.LayerNorm):  # ConvNeXt, Swin: the norms keep the block's width
             return int(module.normalized_shape[-1])
     raise InputError(f"cannot infer the output channels of {type(block).__name__}")
 
 
-def _timm_stages(model: nn.Module) -> list[tuple[nn.Sequential, int]] | None:
-    """A timm ResNet's or ConvNeXt's stages as ``(blocks, start)``: ``blocks[start:]`` keep the
-    shape. ``None`` for other models."""
+def _timm_stages(model: nn.Module) -> list[tuple[nn.Sequential | nn.ModuleList, int, int]] | None:
+    """A timm ResNet's, ConvNeXt's or Swin's stages as ``(blocks, start, channel_dim)``, where
+    ``blocks[start:]`` keep the shape. ``None`` for other models."""
     layers = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
     if all(isinstance(layer, nn.Sequential) for layer in layers):
-        return [(layer, 1) for layer in layers]  # a ResNet stage's first block changes the shape
+        return [(layer, 1, 1) for layer in layers]  # a ResNet stage's first block changes shape
     stages = getattr(model, "stages", None)
     if not isinstance(stages, nn.Sequential):
+        stages = getattr(model, "layers", None)  # Swin's name (an HF decoder's is a ModuleList)
+    if not isinstance(stages, nn.Sequential):
         return None
-    from timm.models.convnext import ConvNeXtStage  # imported for the models that need it
+    # imported for the models that need them; these stages downsample before their blocks
+    from timm.models.convnext import ConvNeXtStage
+    from timm.models.swin_transformer import SwinTransformerStage
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Stage
 
     if all(isinstance(stage, ConvNeXtStage) for stage in stages):
-        return [(stage.blocks, 0) for stage in stages]  # ConvNeXt downsamples before its blocks
+        return [(stage.blocks, 0, 1) for stage in stages]  # NCHW
+    if all(isinstance(stage, SwinTransformerStage | SwinTransformerV2Stage) for stage in stages):
+        return [(stage.blocks, 0, -1) for stage in stages]  # NHWC
     return None
 
 
@@ -155,20 +162,21 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
     router per stage over the blocks after the first (the first block of a stage changes the
     resolution or the width); stages with a single block are left as they are. A ResNet block
     applies its activation after its own residual addition, so the learned shortcut correction
-    is added after that activation. ConvNeXts (``model.stages``) get one router per stage over
-    all its blocks, whose stack input is the stage's downsampled input. Stages cannot be routed
-    across (their states differ in resolution and width), so in ``"source"`` mode a ResNet stage
-    with one block after its first has no shortcut to choose: a resnet18 (two blocks per stage)
-    gets no parameters and a ``UserWarning`` suggests ``mode="input"`` / ``"denseformer"``
-    (which also route each stage's output) or a deeper ResNet. ``model.set_grad_checkpointing()``
-    works before or after wrapping.
+    is added after that activation. ConvNeXts (``model.stages``) and Swin transformers, v1 or v2
+    (``model.layers``), get one router per stage over all its blocks, whose stack input is the
+    stage's downsampled input. Stages cannot be routed across (their states differ in resolution
+    and width), so in ``"source"`` mode a ResNet stage with one block after its first has no
+    shortcut to choose: a resnet18 (two blocks per stage) gets no parameters and a
+    ``UserWarning`` suggests ``mode="input"`` / ``"denseformer"`` (which also route each stage's
+    output) or a deeper ResNet. ``model.set_grad_checkpointing()`` works before or after
+    wrapping.
 
     Args:
         model: E.g. ``timm.create_model("resnet18", pretrained=False)``.
         **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
 
     Raises:
-        TypeError: If the model is neither ViT-like, a ResNet nor a ConvNeXt.
+        TypeError: If the model is neither ViT-like, a ResNet, a ConvNeXt nor a Swin.
 
     Warns:
         UserWarning: If the layout routes nothing (``"source"`` mode with a single routed block
@@ -191,16 +199,16 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
     stages = _timm_stages(model)
     if stages is None:
         raise InputError(
-            f"{type(model).__name__} is neither ViT-like (.blocks), a ResNet (.layer1-4) nor a "
-            "ConvNeXt (.stages)"
+            f"{type(model).__name__} is neither ViT-like (.blocks), a ResNet (.layer1-4), a "
+            "ConvNeXt (.stages) nor a Swin (.layers)"
         )
     mode = router_kwargs.get("mode", "source")
     holder = nn.Module()  # owner of the routers, so that no stage calls them
     routers = nn.ModuleList()
-    for i, (blocks, start) in enumerate(stages):
+    for i, (blocks, start, channel_dim) in enumerate(stages):
         if len(blocks) <= start:
             continue
-        kwargs = _channel_kwargs(router_kwargs, _out_channels(blocks[start]), 1)
+        kwargs = _channel_kwargs(router_kwargs, _out_channels(blocks[start]), channel_dim)
         routers.append(wrap_module_list(blocks, holder, name=f"stage{i}", start=start, **kwargs))
     model.connectivity = routers
     resnet = stages[0][1] == 1
@@ -336,7 +344,7 @@ class ConnectivityWrapper:
             return model
         if hasattr(model, "transformer_blocks"):
             return wrap_diffusers_dit(model, **self.router_kwargs)
-        if any(hasattr(model, name) for name in ("blocks", "layer1", "stages")):
+        if hasattr(model, "blocks") or _timm_stages(model) is not None:
             return wrap_timm(model, **self.router_kwargs)
         return wrap_hf_decoder(model, **self.router_kwargs)
 

@@ -1,4 +1,4 @@
-"""ANCRe adapters: identity at init on HF Llama/Qwen2, timm ViT/ResNet/ConvNeXt, diffusers DiT."""
+"""ANCRe adapters: identity at init on HF Llama/Qwen2, timm ViT/ResNet/ConvNeXt/Swin, DiT."""
 
 import copy
 import warnings
@@ -125,6 +125,34 @@ def test_timm_convnext_stages_are_unchanged_at_init(seed, mode, options, conv_ml
     assert torch.equal(wrapped(x), reference)
 
 
+def _swin(version: int = 1) -> nn.Module:
+    swin = timm.models.SwinTransformer if version == 1 else timm.models.SwinTransformerV2
+    return perturb(  # v2's post-norms start at zero: perturbed, its blocks are not the identity
+        swin(
+            img_size=32,
+            patch_size=2,
+            window_size=4,
+            embed_dim=8,
+            depths=(2, 3),
+            num_heads=(1, 2),
+            num_classes=4,
+        )
+    )
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["v1", "v2"])
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("mode", MODES)
+def test_timm_swin_stages_are_unchanged_at_init(seed, mode, options, version):
+    swin = _swin(version)
+    x = torch.randn(2, 3, 32, 32)
+    reference = swin(x)
+    wrapped = ConnectivityWrapper(mode=mode, **_options(mode, options))(copy.deepcopy(swin))
+    assert [r.num_layers for r in wrapped.connectivity] == [2, 3]
+    assert all(isinstance(b, RoutedBlock) for stage in wrapped.layers for b in stage.blocks)
+    assert torch.equal(wrapped(x), reference)
+
+
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("mode", MODES)
 def test_diffusers_dit_is_unchanged_at_init(seed, mode, options):
@@ -202,6 +230,17 @@ _CHECKPOINTING = {
         lambda m: m.stages[0].blocks,
         lambda m: m(_IMAGE.repeat(1, 1, 2, 2)).square().sum(),  # 32 x 32: four stages
     ),
+    # v1 checkpoints its stage's blocks as one sequence, v2 each block on its own
+    **{
+        f"timm_swin_v{version}": (
+            partial(_swin, version),
+            wrap_timm,
+            lambda m: m.set_grad_checkpointing(True),
+            lambda m: m.layers[0].blocks,
+            lambda m: m(_IMAGE.repeat(1, 1, 2, 2)).square().sum(),
+        )
+        for version in (1, 2)
+    },
     "diffusers_dit": (
         tiny_dit,
         wrap_diffusers_dit,
