@@ -211,21 +211,19 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
         kwargs = _channel_kwargs(router_kwargs, _out_channels(blocks[start]), channel_dim)
         routers.append(wrap_module_list(blocks, holder, name=f"stage{i}", start=start, **kwargs))
     model.connectivity = routers
-    resnet = stages[0][1] == 1
-    deeper = (
-        "a ResNet with deeper stages (e.g. resnet34 or resnet50)" if resnet else "deeper stages"
-    )
+    if stages[0][1] == 1:  # a ResNet
+        single = (
+            "every stage has a single block after its first one (the first block of a stage "
+            "changes the resolution and the width, so it is not routed)"
+        )
+        deeper = "a ResNet with deeper stages (e.g. resnet34 or resnet50)"
+    else:
+        single, deeper = "every stage has a single block", "deeper stages"
     if not routers:
         why = "no stage has more than one block (the first block of a stage changes its shape)"
         alternative = f"Use {deeper}."
     else:
-        why = "every stage has a single block" + (
-            " after its first one (the first block of a stage changes the resolution and the "
-            "width, so it is not routed)"
-            if resnet
-            else ""
-        )
-        why += f", and {_SINGLE_SOURCE}"
+        why = f"{single}, and {_SINGLE_SOURCE}"
         alternative = (
             "Use mode='input' or mode='denseformer', which also route each stage's output over "
             f"its states, or {deeper}."
