@@ -435,6 +435,15 @@ CASES = [
         "`AcceleGradSharp(params, lr=-1.0)`",
         _raises(lambda tmp: AcceleGradSharp([_param()], lr=-1.0)),
     ),
+    Case(
+        "optimizers",
+        "`AcceleGradSharp(model.half().parameters(), lr=0.1)`: float16 parameters",
+        _raises(
+            lambda tmp: AcceleGradSharp(
+                [torch.nn.Parameter(torch.zeros(2, dtype=torch.half))], lr=0.1
+            )
+        ),
+    ),
     Case("optimizers", "`Scion(params, lr=0)`", _raises(lambda tmp: Scion([_param()], lr=0))),
     Case(
         "optimizers",

@@ -64,7 +64,8 @@ class AcceleGrad(Optimizer):
             loading them) skips the projection, so that it leaves the parameters unchanged.
 
     Raises:
-        ValueError: If ``lr``, ``g0`` or ``proj_radius`` is not positive.
+        ValueError: If ``lr``, ``g0`` or ``proj_radius`` (of the defaults or of a group) is not a
+            finite number > 0.
 
     Examples:
         >>> import torch
@@ -86,15 +87,20 @@ class AcceleGrad(Optimizer):
         g0: float = 1e-8,
         proj_radius: float | None = None,
     ) -> None:
-        if not lr > 0:
-            raise InputError(f"lr (the diameter D) must be > 0, got {lr!r}")
-        if not g0 > 0:
-            raise InputError(f"g0 must be > 0, got {g0!r}")
-        if proj_radius is not None and not proj_radius > 0:
-            raise InputError(f"proj_radius must be > 0 or None, got {proj_radius!r}")
         super().__init__(params, {"lr": lr, "g0": g0, "proj_radius": proj_radius})
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its ``lr``, ``g0`` and ``proj_radius``."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_positive("lr (the diameter D)", group["lr"])
+        check_positive("g0", group["g0"])
+        if group["proj_radius"] is not None:
+            check_positive("proj_radius", group["proj_radius"], "or None")
+
     def _init_group(self, group: dict[str, Any]) -> list[Tensor]:
+        if not group["params"]:
+            return []
         params = []
         for p in group["params"]:
             if p.grad is None:
@@ -135,9 +141,7 @@ class AcceleGrad(Optimizer):
             head = self.state[group["params"][0]]
             t = head["group_step"]
             alpha = accelegrad_alpha(t)
-            head["group_sumsq"] += (
-                alpha * alpha * _sum_sq(torch._foreach_norm([p.grad for p in params]))
-            )
+            head["group_sumsq"] += alpha * alpha * _sum_sq(_norms([p.grad for p in params]))
             eta = 2.0 * group["lr"] / math.sqrt(group["g0"] ** 2 + head["group_sumsq"])
             for p in params:
                 st = self.state[p]
@@ -171,6 +175,31 @@ class AcceleGrad(Optimizer):
             raise InputError(f"which must be 'average' or 'last', got {which!r}")
         key = "ybar" if which == "average" else "y"
         return _Swap(self, lambda p, st: st.get(key))
+
+
+def check_positive(name: str, value: object, alternative: str = "") -> None:
+    """Raise :class:`InputError` unless ``value`` is a finite real number > 0.
+
+    Examples:
+        >>> check_positive("lr", float("inf"))
+        Traceback (most recent call last):
+        ...
+        ada_modules.errors.InputError: lr must be a finite number > 0, got inf
+    """
+    try:
+        ok = not isinstance(value, bool | str | bytes) and 0 < float(value) < math.inf
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        suffix = f" {alternative}" if alternative else ""
+        raise InputError(f"{name} must be a finite number > 0{suffix}, got {value!r}")
+
+
+def _norms(tensors: list[Tensor]) -> list[Tensor]:
+    """Euclidean norms; a float16 tensor's in float32 (in float16 they overflow from 65504)."""
+    if any(t.dtype == torch.float16 for t in tensors):
+        return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+    return torch._foreach_norm(tensors)
 
 
 def _sum_sq(values: list[Tensor]) -> float:

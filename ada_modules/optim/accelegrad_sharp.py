@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from ada_modules.errors import InputError
 from ada_modules.optim import lmo as _lmo
 from ada_modules.optim._dtensor import plain
-from ada_modules.optim.accelegrad import _sum_sq, _Swap, accelegrad_alpha
+from ada_modules.optim.accelegrad import _sum_sq, _Swap, accelegrad_alpha, check_positive
 
 __all__ = ["ANCHORS", "GEOMETRIES", "AcceleGradSharp"]
 
@@ -91,7 +91,8 @@ class AcceleGradSharp(Optimizer):
             loaded with ``weights_only=True`` need.
         radius: ``rho``, the clip of the dual norm in the ``"lmo"`` geometry (``None``: no clip).
         g0: ``G0 > 0``, initial value of the scalar accumulator.
-        eps: Denominator guard of the per-coordinate accumulator.
+        eps: Denominator guard of the per-coordinate accumulator (> 0: a coordinate whose
+            gradients have all been zero takes no step).
         proj_radius: Radius of the projection ball for ``z`` (``None``: unconstrained). A step at
             ``lr = 0`` (as ``torch.distributed.checkpoint`` takes to create the states before
             loading them) skips the projection, so that it leaves the parameters unchanged.
@@ -102,10 +103,12 @@ class AcceleGradSharp(Optimizer):
             parameter of the group is on a CUDA device).
 
     Raises:
-        ValueError: For a non-positive ``lr``/``g0``/``radius``/``proj_radius``, a negative
-            ``eps``, an unknown anchor, geometry, norm, output or nonfinite mode, a norm that does
-            not fit a tensor's shape (spectral on a 1-D tensor), or sparse gradients (at the step).
-        TypeError: For complex or non-floating parameters.
+        ValueError: For an ``lr``/``g0``/``eps``/``radius``/``proj_radius`` that is not a finite
+            number > 0, an unknown anchor, geometry, norm, output or nonfinite mode, a norm that
+            does not fit a tensor's shape (spectral on a 1-D tensor), or sparse gradients (at the
+            step).
+        TypeError: For complex, non-floating or float16 parameters (float16's range does not
+            hold the sums of squared gradients; bfloat16 and float32 do).
 
     Examples:
         >>> import torch
@@ -162,10 +165,12 @@ class AcceleGradSharp(Optimizer):
         group = self.param_groups[-1]
         _validate(group)
         for i, p in enumerate(group["params"]):
-            if p.is_complex() or not p.is_floating_point():
+            if p.is_complex() or not p.is_floating_point() or p.dtype == torch.float16:
                 raise InputError(
-                    f"AcceleGradSharp needs real floating parameters, got {p.dtype} for "
-                    f"{_name(group, i)}"
+                    f"AcceleGradSharp needs real floating parameters other than float16 (whose "
+                    f"range does not hold sums of squared gradients), got {p.dtype} for "
+                    f"{_name(group, i)}; bfloat16 works, and so does Lightning's "
+                    "precision='16-mixed', which keeps float32 parameters"
                 )
             try:
                 _resolve_norm(group, p).check(p)
@@ -173,6 +178,8 @@ class AcceleGradSharp(Optimizer):
                 raise InputError(f"{_name(group, i)}: {err}") from None
 
     def _init_group(self, group: dict[str, Any]) -> list[Tensor]:
+        if not group["params"]:
+            return []
         need_s = group["anchor"] == "diagonal" or group["geometry"] == "mirror"
         params = []
         for p in group["params"]:
@@ -357,15 +364,12 @@ def _resolve_norm(group: dict[str, Any], p: Tensor) -> _lmo.Norm:
 
 def _validate(group: dict[str, Any]) -> None:
     """Raise ``ValueError`` naming the first bad option of ``group``."""
-    if not group["lr"] > 0:
-        raise InputError(f"lr (the step scale D) must be > 0, got {group['lr']!r}")
+    check_positive("lr (the step scale D)", group["lr"])
     for key in ("radius", "proj_radius"):
-        if group[key] is not None and not group[key] > 0:
-            raise InputError(f"{key} must be > 0 or None, got {group[key]!r}")
-    if not group["g0"] > 0:
-        raise InputError(f"g0 must be > 0, got {group['g0']!r}")
-    if not group["eps"] >= 0:
-        raise InputError(f"eps must be >= 0, got {group['eps']!r}")
+        if group[key] is not None:
+            check_positive(key, group[key], "or None")
+    check_positive("g0", group["g0"])
+    check_positive("eps", group["eps"])
     for key, allowed in (
         ("anchor", ANCHORS),
         ("geometry", GEOMETRIES),

@@ -71,11 +71,42 @@ def test_projection_keeps_z_in_ball() -> None:
     assert float(opt.state[w]["z"].norm()) <= 1.0 + 1e-6
 
 
-@pytest.mark.parametrize("kwargs", [{"lr": 0.0}, {"lr": -1.0}, {"g0": 0.0}, {"proj_radius": 0.0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"lr": 0.0},
+        {"lr": -1.0},
+        {"lr": float("inf")},
+        {"lr": "1.0"},
+        {"g0": 0.0},
+        {"g0": float("nan")},
+        {"proj_radius": 0.0},
+    ],
+    ids=str,
+)
 def test_bad_arguments(kwargs: dict[str, float]) -> None:
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=name):
         AcceleGrad([torch.nn.Parameter(torch.zeros(2))], **{"lr": 1.0, **kwargs})
+    with pytest.raises(ValueError, match=name):  # in a group of its own
+        AcceleGrad([{"params": [torch.nn.Parameter(torch.zeros(2))], **kwargs}])
+
+
+def test_an_empty_parameter_group_steps_like_torch_optimizers() -> None:
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = AcceleGrad([{"params": [w]}, {"params": []}], lr=1.0)
+    w.grad = torch.ones(2)
+    opt.step()
+    assert not torch.equal(w, torch.ones(2))
+
+
+def test_float16_gradient_norms_do_not_overflow() -> None:
+    w = torch.nn.Parameter(torch.zeros(1000, dtype=torch.float16))
+    opt = AcceleGrad([w], lr=1.0)
+    w.grad = torch.full_like(w, 3000.0)  # norm 94,868: past float16's 65,504
+    opt.step()
+    assert opt.state[w]["group_sumsq"] == pytest.approx(1000 * 3000.0**2, rel=1e-3)
+    assert bool((w < 0).all())  # a step was taken (in float16 the norm was inf: eta = 0)
 
 
 def test_state_dict_resume_bitwise() -> None:

@@ -13,6 +13,7 @@ from torch import nn
 import ada_modules.optim.lmo as lmo_module
 from ada_modules.optim.accelegrad import AcceleGrad
 from ada_modules.optim.accelegrad_sharp import ANCHORS, GEOMETRIES, AcceleGradSharp
+from ada_modules.optim.param_groups import weight_decay_param_groups
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:
@@ -200,6 +201,9 @@ def test_nonfinite_skip_leaves_state_and_params_untouched() -> None:
     [
         ({"lr": 0.0}, "lr"),
         ({"lr": -1.0}, "lr"),
+        ({"lr": float("inf")}, "lr .* finite number > 0, got inf"),
+        ({"lr": "0.1"}, "lr .* got '0.1'"),
+        ({"eps": 0.0}, "eps"),  # coordinates that never had a gradient would become 0/0
         ({"anchor": "full"}, "anchor 'full'"),
         ({"geometry": "newton"}, "geometry 'newton'"),
         ({"norm": "nuclear"}, "norm 'nuclear'"),
@@ -224,6 +228,21 @@ def test_spectral_on_vector_names_the_parameter() -> None:
 def test_complex_parameters_rejected() -> None:
     with pytest.raises(TypeError, match="complex"):
         AcceleGradSharp([nn.Parameter(torch.zeros(2, dtype=torch.complex64))], lr=0.1)
+
+
+def test_float16_parameters_rejected() -> None:
+    with pytest.raises(TypeError, match="float16.*bfloat16 works"):
+        AcceleGradSharp(nn.Linear(3, 2).half().parameters(), lr=0.1)
+
+
+def test_an_empty_parameter_group_steps_like_torch_optimizers() -> None:
+    net = nn.Linear(4, 3, bias=False)
+    opt = AcceleGradSharp(weight_decay_param_groups(net), lr=0.1)  # groups of 1 and 0 tensors
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 0]
+    before = net.weight.detach().clone()
+    net(torch.randn(2, 4)).square().sum().backward()
+    opt.step()
+    assert not torch.equal(net.weight, before)
 
 
 def test_sparse_gradients_rejected() -> None:
