@@ -90,11 +90,24 @@ def _check_views(view_logps: Tensor) -> None:
         )
 
 
+def _kl(p: Tensor, q: Tensor) -> Tensor:
+    """``KL(p || q)`` over the last axis, from log-probabilities (broadcast).
+
+    A token without mass under ``p`` (``-inf``) adds 0, also where ``q`` is ``-inf`` too; such
+    entries are replaced before the arithmetic, so neither the value nor the gradients see NaN.
+    """
+    has_mass = p > -math.inf
+    p = torch.where(has_mass, p, 0.0)
+    q = torch.where(has_mass, q, 0.0)
+    return torch.where(has_mass, p.exp() * (p - q), 0.0).sum(-1)
+
+
 def pool_views(view_logps: Tensor) -> ViewPool:
     """Consensus, permissive target and normalised disagreement of ``M`` views.
 
     Args:
-        view_logps: Log-probabilities of each view, shape ``(M, ..., V)`` (each row normalised).
+        view_logps: Log-probabilities of each view, shape ``(M, ..., V)`` (each row normalised;
+            ``-inf`` for a token a view rules out).
 
     Raises:
         ValueError: If ``view_logps`` has no view axis or no view.
@@ -105,8 +118,7 @@ def pool_views(view_logps: Tensor) -> ViewPool:
     permissive = torch.logsumexp(view_logps, dim=0) - math.log(num_views)
     if num_views == 1:
         return ViewPool(consensus, view_logps[0], torch.zeros_like(view_logps[0, ..., 0]))
-    probs = view_logps.exp()
-    spread = (probs * (view_logps - permissive)).sum(-1).mean(0)
+    spread = _kl(view_logps, permissive).mean(0)
     disagreement = (spread / math.log(num_views)).clamp(0.0, 1.0)
     return ViewPool(consensus, permissive, disagreement)
 
@@ -146,7 +158,11 @@ def avsd_target(
     elif gate == 1:
         logp = pool.permissive
     else:
-        mixed = g[..., None] * pool.permissive + (1.0 - g[..., None]) * pool.consensus
+        w = g[..., None]
+        # a zero weight drops its term, so that 0 * -inf (a token one target rules out) is not NaN
+        mixed = torch.where(w > 0, w * pool.permissive, 0.0) + torch.where(
+            w < 1, (1.0 - w) * pool.consensus, 0.0
+        )
         logp = torch.log_softmax(mixed, dim=-1)
     weight = (1.0 + residual_scale * pool.disagreement).clamp(min=0.0)
     return AVSDTarget(logp, weight, g, pool)
@@ -196,7 +212,8 @@ def generalized_jsd(target_logp: Tensor, student_logp: Tensor, beta: float = 0.5
     that scale, which keeps the loss size comparable across ``beta``).
 
     Args:
-        target_logp: Target log-probabilities ``q``, ``(..., V)``.
+        target_logp: Target log-probabilities ``q``, ``(..., V)`` (``-inf`` where ``q`` has no
+            mass: such tokens add nothing).
         student_logp: Student log-probabilities ``s``, ``(..., V)``.
         beta: Interpolation in ``[0, 1]``.
 
@@ -210,16 +227,12 @@ def generalized_jsd(target_logp: Tensor, student_logp: Tensor, beta: float = 0.5
             f"target_logp and student_logp must have the same shape, got "
             f"{tuple(target_logp.shape)} and {tuple(student_logp.shape)}"
         )
-
-    def kl(p: Tensor, q: Tensor) -> Tensor:
-        return (p.exp() * (p - q)).sum(-1)
-
     if beta == 0.0:
-        return kl(target_logp, student_logp)
+        return _kl(target_logp, student_logp)
     if beta == 1.0:
-        return kl(student_logp, target_logp)
+        return _kl(student_logp, target_logp)
     mixture = torch.logsumexp(
         torch.stack([target_logp + math.log(beta), student_logp + math.log(1.0 - beta)]), dim=0
     )
-    jsd = beta * kl(target_logp, mixture) + (1.0 - beta) * kl(student_logp, mixture)
+    jsd = beta * _kl(target_logp, mixture) + (1.0 - beta) * _kl(student_logp, mixture)
     return jsd / (beta * (1.0 - beta))

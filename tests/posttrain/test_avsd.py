@@ -126,6 +126,40 @@ def test_the_jsd_gradient_moves_the_student_to_the_target():
     assert after < 0.2 * before
 
 
+def _ruled_out(logits: torch.Tensor, fill: float) -> torch.Tensor:
+    """Views in which token 1 is ruled out by every view and token 2 by view 0 alone."""
+    logits = logits.clone()
+    logits[..., 1] = fill
+    logits[0, ..., 2] = fill
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("gate", [0.0, 0.5, 1.0, "adaptive"])
+def test_tokens_a_view_rules_out_give_the_limit_of_tiny_probabilities(gate):
+    logits = 2 * torch.randn(3, 2, 4, 7, generator=torch.Generator().manual_seed(0))
+    ruled_out, tiny = _ruled_out(logits, -math.inf), _ruled_out(logits, -1e4)
+    # sharpness 1e4 rounds the adaptive gate to exactly 1 or 0 at most positions
+    options = {"gate": gate, "gate_sharpness": 1e4, "gate_threshold": 0.4, "residual_scale": -0.5}
+    got, limit = avsd_target(ruled_out, **options), avsd_target(tiny, **options)
+    if gate == "adaptive":
+        assert (got.gate == 1).any() and (got.gate == 0).any()
+    for a, b in [
+        (got.logp.exp(), limit.logp.exp()),
+        (got.pool.disagreement, limit.pool.disagreement),
+        (got.weight, limit.weight),
+        (got.gate, limit.gate),
+    ]:
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    student = torch.log_softmax(torch.randn(2, 4, 7), -1).requires_grad_(True)
+    for beta in (0.0, 0.5):
+        jsd = generalized_jsd(ruled_out[0], student, beta)
+        torch.testing.assert_close(jsd, generalized_jsd(tiny[0], student, beta), atol=1e-5, rtol=0)
+        (grad,) = torch.autograd.grad(jsd.sum(), student)
+        assert grad.isfinite().all()
+    # the reverse KL(s || q) is infinite where the student has mass on a ruled-out token
+    assert (generalized_jsd(ruled_out[0], student, 1.0) == math.inf).all()
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
