@@ -47,6 +47,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -271,10 +272,14 @@ def semi_supervised_weights(
     if method not in ESTIMATORS:
         raise InputError(f"method must be one of {', '.join(ESTIMATORS)}, got {method!r}")
     groups = _check_groups(human_labelled, pseudo_labelled, pseudo_unlabelled)
-    if num_unlabelled is not None and num_unlabelled < len(groups[2]):
+    if num_unlabelled is not None and (
+        isinstance(num_unlabelled, bool)
+        or not isinstance(num_unlabelled, numbers.Integral)
+        or num_unlabelled < len(groups[2])
+    ):
         raise InputError(
-            f"num_unlabelled ({num_unlabelled}) is smaller than the {len(groups[2])} unlabelled "
-            "statistics given"
+            f"num_unlabelled must be an integer >= {len(groups[2])} (the unlabelled statistics "
+            f"given) or None, got {num_unlabelled!r}"
         )
     return _weights(_Moments(*groups, big_n=num_unlabelled), method)
 
@@ -314,20 +319,37 @@ def combine_losses(
         pseudo_unlabelled: Per-example losses of the unlabelled examples (pseudo labels).
         weights: From :func:`semi_supervised_weights`.
 
+    Raises:
+        ValueError: If a group with a nonzero coefficient is not 1-D or is empty, or the two
+            labelled groups (both used) differ in length.
+
     Examples:
         >>> import torch
         >>> w = SemiSupervisedWeights("ppi", 1.0, -1.0, 1.0)
         >>> combine_losses(torch.tensor([1.0, 3.0]), torch.tensor([2.0, 2.0]), torch.tensor([4.0]), w)
         tensor(4.)
     """
+    groups = {
+        "human_labelled": (weights.a_h, human_labelled),
+        "pseudo_labelled": (weights.a_p, pseudo_labelled),
+        "pseudo_unlabelled": (weights.a_u, pseudo_unlabelled),
+    }
+    used = {name: losses for name, (c, losses) in groups.items() if c != 0.0}
+    for name, losses in used.items():
+        if losses.dim() != 1 or len(losses) == 0:
+            raise InputError(
+                f"{name} must hold one loss per example (1-D, not empty; its coefficient is "
+                f"{groups[name][0]}), got shape {tuple(losses.shape)}"
+            )
+    if "human_labelled" in used and "pseudo_labelled" in used:
+        if len(human_labelled) != len(pseudo_labelled):
+            raise InputError(
+                f"human_labelled has {len(human_labelled)} losses but pseudo_labelled has "
+                f"{len(pseudo_labelled)}: both are the losses of the same labelled examples"
+            )
     total = human_labelled.new_zeros(())
-    for coefficient, losses in (
-        (weights.a_h, human_labelled),
-        (weights.a_p, pseudo_labelled),
-        (weights.a_u, pseudo_unlabelled),
-    ):
-        if coefficient != 0.0:
-            total = total + coefficient * losses.mean()
+    for name, losses in used.items():
+        total = total + groups[name][0] * losses.mean()
     return total
 
 
@@ -376,6 +398,18 @@ def margin_gradients(margin: Tensor, labels: Tensor, margin_grads: Tensor) -> Te
 
     The same ``∇h`` serves both the human and the pseudo label of an example, so one backward
     pass per example gives both statistics :func:`semi_supervised_weights` needs.
+
+    Raises:
+        ValueError: If the shapes are not ``(m,)``, ``(m,)`` and ``(m, d)``, or a label is
+            outside ``[0, 1]``.
     """
+    m = len(margin)
+    if margin.dim() != 1 or labels.shape != margin.shape or margin_grads.dim() != 2:
+        raise InputError(
+            "margin, labels and margin_grads must have shapes (m,), (m,) and (m, d), got "
+            f"{tuple(margin.shape)}, {tuple(labels.shape)} and {tuple(margin_grads.shape)}"
+        )
+    if len(margin_grads) != m:
+        raise InputError(f"margin_grads has {len(margin_grads)} rows for {m} margins")
     _check_labels(labels)
     return (torch.sigmoid(margin) - labels.to(margin.dtype))[:, None] * margin_grads

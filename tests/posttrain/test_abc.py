@@ -212,8 +212,12 @@ def test_num_unlabelled_enters_abc_as_the_formula_says():
 
 
 def test_num_unlabelled_smaller_than_the_subsample_is_rejected():
-    with pytest.raises(InputError, match=r"num_unlabelled \(5\) is smaller than the 6"):
+    with pytest.raises(InputError, match=r"num_unlabelled must be an integer >= 6 .*got 5"):
         semi_supervised_weights(_t(HUMAN), _t(PSEUDO_L), _t(PSEUDO_U), "ppi++", num_unlabelled=5)
+    with pytest.raises(InputError, match=r"num_unlabelled must be an integer >= 6 .*got nan"):
+        semi_supervised_weights(
+            _t(HUMAN), _t(PSEUDO_L), _t(PSEUDO_U), "abc", num_unlabelled=math.nan
+        )
 
 
 # ------------------------------------------------------------------ ABC's ŵ is optimal
@@ -328,6 +332,28 @@ def test_combine_losses_is_the_weighted_sum_of_the_means():
     combine_losses(*leaves, weights).backward()
     torch.testing.assert_close(leaves[1].grad, torch.full((3,), -0.2 / 3, dtype=torch.float64))
     torch.testing.assert_close(leaves[2].grad, torch.full((5,), 0.9 / 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("losses", "match"),
+    [
+        ((_t([1.0, 2.0]), _t([1.0, 2.0, 3.0]), _t([1.0])), "human_labelled has 2 losses but"),
+        ((_t([1.0, 2.0]), _t([1.0, 2.0]), _t([])), r"pseudo_unlabelled must .*shape \(0,\)"),
+        ((_t([[1.0], [2.0]]), _t([1.0, 2.0]), _t([1.0])), r"human_labelled must .*\(2, 1\)"),
+    ],
+)
+def test_combine_losses_rejects_groups_that_do_not_fit(losses, match):
+    with pytest.raises(InputError, match=match):
+        combine_losses(*losses, SemiSupervisedWeights("abc", 0.3, -0.2, 0.9))
+
+
+def test_margin_gradients_rejects_shapes_that_would_broadcast():
+    with pytest.raises(
+        InputError, match=r"\(m,\), \(m,\) and \(m, d\), got \(3,\), \(3,\) and \(3,\)"
+    ):
+        margin_gradients(torch.zeros(3), torch.ones(3), torch.zeros(3))  # an outer product before
+    with pytest.raises(InputError, match="margin_grads has 2 rows for 3 margins"):
+        margin_gradients(torch.zeros(3), torch.ones(3), torch.zeros(2, 4))
 
 
 def test_preference_loss_is_bradley_terry_with_soft_labels():
