@@ -250,6 +250,10 @@ def sample_plackett_luce(
     Returns:
         Indices ``[..., k]``.
 
+    Raises:
+        ValueError: If ``k`` is not an integer >= 0 or a row has fewer than ``k`` valid
+            candidates.
+
     Example:
         >>> g = torch.Generator().manual_seed(0)
         >>> picks = sample_plackett_luce(torch.tensor([[9.0, 0.0, 8.0, 5.0]]),
@@ -257,6 +261,16 @@ def sample_plackett_luce(
         >>> sorted(picks[0].tolist())
         [0, 2]
     """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise InputError(f"k must be an integer >= 0, got {k!r}")
+    valid = torch.broadcast_to(mask, logits.shape).sum(-1).reshape(-1)
+    short = (valid < k).nonzero()
+    if len(short):
+        row = int(short[0, 0])
+        raise InputError(
+            f"k = {k} picks, but mask row {row} (flattened over the leading dims) has only "
+            f"{int(valid[row])} valid candidates"
+        )
     uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
     gumbel = -torch.log(-torch.log(uniform.clamp(1e-12)))
     return (logits + gumbel).masked_fill(~mask, -math.inf).topk(k, dim=-1).indices

@@ -61,9 +61,18 @@ def _check_rewards(rewards: Tensor) -> None:
         )
 
 
+def _check_eps(eps: float) -> None:
+    if not 0 < eps < math.inf:
+        raise InputError(
+            f"eps must be a finite number > 0 (it keeps equal groups at 0), got {eps!r}"
+        )
+
+
 def _check_like(name: str, value: Tensor, rewards: Tensor) -> None:
     if not isinstance(value, Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise InputError(f"{name} must be a floating-point tensor, got {value.dtype}")
     if value.shape != rewards.shape:
         raise InputError(
             f"{name} must have the shape of rewards {tuple(rewards.shape)}, got {tuple(value.shape)}"
@@ -99,6 +108,7 @@ def grpo_advantages(
     _check_rewards(rewards)
     if scale not in ("group", "batch", "none"):
         raise InputError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    _check_eps(eps)
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     if scale == "none":
         return centred
@@ -136,6 +146,7 @@ def relative_surprisal(surprisal: Tensor, eps: float = 1e-6) -> Tensor:
         raise InputError(
             f"surprisal must have shape (num_prompts, group_size >= 2), got {tuple(surprisal.shape)}"
         )
+    _check_eps(eps)
     centred = surprisal - surprisal.mean(dim=1, keepdim=True)
     return centred / (surprisal.std(dim=1, keepdim=True) + eps)
 
@@ -155,12 +166,26 @@ def predicted_entropy_drift(advantages: Tensor, surprisal: Tensor, entropy: Tens
         entropy: Response entropy per prompt, shape ``(num_prompts,)`` (or a scalar); the group
             mean of ``surprisal`` is the usual estimate.
 
+    Raises:
+        ValueError: If ``surprisal`` differs in shape from ``advantages`` or ``entropy`` has
+            neither one value per prompt nor a single one.
+
     Examples:
         >>> a = torch.tensor([[1.0, -1.0]])
         >>> predicted_entropy_drift(a, torch.tensor([[3.0, 1.0]]), torch.tensor([2.0]))
         tensor([1.])
     """
+    if advantages.ndim != 2 or surprisal.shape != advantages.shape:
+        raise InputError(
+            "advantages and surprisal must both have shape (num_prompts, group_size), got "
+            f"{tuple(advantages.shape)} and {tuple(surprisal.shape)}"
+        )
     entropy = torch.as_tensor(entropy, dtype=surprisal.dtype, device=surprisal.device)
+    if entropy.numel() != 1 and entropy.shape != advantages.shape[:1]:
+        raise InputError(
+            f"entropy must have shape ({len(advantages)},) (one per prompt) or be a scalar, got "
+            f"{tuple(entropy.shape)}"
+        )
     if entropy.ndim == 1:
         entropy = entropy[:, None]
     return (advantages * (surprisal - entropy)).mean(dim=1)
@@ -208,10 +233,15 @@ def aem_strength(
             raise InputError(f"progress must be in [0, 1], got {progress!r}")
         return full * (1.0 - 2.0 * progress)
     if schedule == "entropy":
-        if entropy is None or target_entropy is None or target_entropy <= 0:
+        if (
+            entropy is None
+            or target_entropy is None
+            or not math.isfinite(entropy)
+            or not 0 < target_entropy < math.inf
+        ):
             raise InputError(
-                "schedule='entropy' needs entropy and a positive target_entropy, got "
-                f"entropy={entropy!r}, target_entropy={target_entropy!r}"
+                "schedule='entropy' needs a finite entropy and a finite positive target_entropy, "
+                f"got entropy={entropy!r}, target_entropy={target_entropy!r}"
             )
         gap = (target_entropy - entropy) / target_entropy
         return full * max(-1.0, min(1.0, gap))

@@ -180,16 +180,26 @@ def sampled_token_advantages(
         target_logp: Target log-probabilities, ``(..., V)``.
         student_logp: Either the student's full log-probabilities ``(..., V)`` or those of the
             sampled tokens ``(...)``.
-        tokens: The sampled tokens, ``(...)``.
+        tokens: The sampled tokens, ``(...)``, each in ``[0, V)`` (padding marked ``-100`` is
+            refused: mask the advantages instead).
         weight: Token weights ``(...)`` (``None``: 1).
 
     Raises:
-        ValueError: If the shapes do not match.
+        ValueError: If the shapes do not match or a token is outside the vocabulary.
     """
     if target_logp.shape[:-1] != tokens.shape:
         raise InputError(
             f"target_logp {tuple(target_logp.shape)} and tokens {tuple(tokens.shape)} must "
             "share their leading dimensions"
+        )
+    if tokens.is_floating_point() or tokens.is_complex():
+        raise InputError(f"tokens must be integer token ids, got {tokens.dtype}")
+    vocab = target_logp.shape[-1]
+    outside = (tokens < 0) | (tokens >= vocab)
+    if outside.any():
+        raise InputError(
+            f"tokens must lie in [0, {vocab}) (the vocabulary of target_logp), got "
+            f"{tokens[outside][0].item()}; mask padding out afterwards instead of marking it"
         )
     target = target_logp.gather(-1, tokens[..., None]).squeeze(-1)
     if student_logp.shape == target_logp.shape:

@@ -12,6 +12,7 @@ from ada_modules.offline_rl.losses import (
     advantage_weights,
     expectile_loss,
     plackett_luce_log_likelihood,
+    sample_plackett_luce,
     subsample_candidates,
 )
 
@@ -264,6 +265,11 @@ _SCORES = torch.zeros(1, 3)
         (lambda: subsample_candidates(_MASK, torch.tensor([[0]]), 1.5), "num_negatives"),
         (lambda: subsample_candidates(_MASK, torch.tensor([[2]]), 1), "chosen"),
         (lambda: subsample_candidates(_MASK.long(), torch.tensor([[0]]), 1), "mask"),
+        # a masked-out candidate was picked before: row 0 has 2 valid candidates
+        (lambda: sample_plackett_luce(_SCORES, _MASK, 3), "k = 3 picks, but mask row 0"),
+        (lambda: sample_plackett_luce(_SCORES, _MASK, 4), "k = 4 picks"),
+        (lambda: sample_plackett_luce(_SCORES, _MASK, -1), "k must be an integer"),
+        (lambda: sample_plackett_luce(_SCORES, _MASK, 1.0), "k must be an integer"),
     ],
 )
 def test_bad_input_raises_input_error_naming_the_argument(call, name: str) -> None:

@@ -72,6 +72,20 @@ def test_bad_shapes_and_types():
         aem_advantages(torch.zeros(2, 4), torch.zeros(2, 5))
     with pytest.raises(ValueError, match="scale"):
         grpo_advantages(torch.zeros(2, 4), scale="prompt")
+    with pytest.raises(TypeError, match="surprisal must be a floating-point"):
+        aem_advantages(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="entropy must have shape \\(2,\\)"):
+        predicted_entropy_drift(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(3))
+    with pytest.raises(ValueError, match="advantages and surprisal"):
+        predicted_entropy_drift(torch.zeros(2, 4), torch.zeros(4), torch.zeros(2))
+
+
+@pytest.mark.parametrize("eps", [0.0, -1.0, math.nan, math.inf])
+def test_eps_must_be_finite_and_positive(eps):
+    with pytest.raises(ValueError, match=f"eps must be a finite number > 0.*got {eps}"):
+        grpo_advantages(torch.ones(1, 4), eps=eps)  # eps=0 gave 0/0 for an all-equal group
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        relative_surprisal(torch.ones(1, 4), eps=eps)
 
 
 # ------------------------------------------------------------------ AEM
@@ -135,6 +149,11 @@ def test_aem_bad_arguments():
         aem_advantages(rewards, surprisal, schedule="cosine")
     with pytest.raises(ValueError, match="target_entropy"):
         aem_advantages(rewards, surprisal, schedule="entropy")
+    for entropy, target in ((math.nan, 2.0), (1.0, math.nan), (1.0, math.inf)):
+        with pytest.raises(ValueError, match="finite"):  # these gave full exploration before
+            aem_advantages(
+                rewards, surprisal, schedule="entropy", entropy=entropy, target_entropy=target
+            )
     with pytest.raises(ValueError, match="progress"):
         aem_advantages(rewards, surprisal, schedule="linear", progress=2.0)
 

@@ -173,6 +173,14 @@ def test_tokens_a_view_rules_out_give_the_limit_of_tiny_probabilities(gate):
             lambda: sampled_token_advantages(_views(1)[0], _views(1)[0], torch.zeros(2, 4).long()),
             "share their leading dimensions",
         ),
+        (
+            lambda: sampled_token_advantages(_views(1)[0], _views(1)[0], torch.full((2, 3), -100)),
+            r"tokens must lie in \[0, 7\).*got -100",
+        ),
+        (
+            lambda: sampled_token_advantages(_views(1)[0], _views(1)[0], torch.zeros(2, 3)),
+            "tokens must be integer token ids, got torch.float32",
+        ),
     ],
 )
 def test_bad_input_names_the_value(call, message):
