@@ -74,7 +74,10 @@ from ada_modules.merging.state_dicts import (
     check_compatible,
     check_weights,
     linear_layers,
+    retie,
     set_augmented_weight,
+    tied_keys,
+    untie,
 )
 from ada_modules.merging.stats import ActivationStats, check_stats, check_stats_fit
 
@@ -328,10 +331,16 @@ def amaris(
         other: Tensors not gated (norms, embeddings, layers without statistics): ``"base"``
             keeps the base's, ``"task_arithmetic"`` takes ``θ_0 + Σ w_i τ_i``.
 
+    Tied weights (one tensor under several keys of ``base``, e.g. a language model's embedding
+    and output head) are merged once, under their first key, as :func:`~.recipe.merge` does:
+    the statistics of a layer whose weight is a later key are ignored, and every key of the tie
+    gets the one merged tensor.
+
     Returns:
         ``(merged, report)`` with report ``{"method": "amaris", "budget", "ridge", "min_gamma",
         "other", "layers": {name: {"specialists": [LayerReport as dict, ...],
-        "predicted_deviation_total", "deviation_budget", "base_energy", "scale"}}}``.
+        "predicted_deviation_total", "deviation_budget", "base_energy", "scale"}}}``, plus
+        ``"tied": {later key: first key}`` when ``base`` has tied weights.
     """
     budget = _check_number("budget", budget, 0.0, 1.0)
     if isinstance(ridge, bool) or not isinstance(ridge, int | float) or not ridge >= 0:
@@ -358,6 +367,10 @@ def amaris(
     for index, stats in enumerate(specialist_stats):
         check_stats(stats, count=False)
         check_stats_fit(base, stats, f"specialist {index}'s")
+    # Tied weights are one tensor under several keys: merge it once, under its first key (a layer
+    # whose weight is a later key is not gated), then share the result.
+    tied = tied_keys(base)
+    base, specialists = untie(base, tied), [untie(tuned, tied) for tuned in specialists]
     layers = _layers_with_stats(base, specialist_stats, base_stats)
 
     if other == "task_arithmetic":
@@ -403,7 +416,9 @@ def amaris(
             "base_energy": base_energy,
             "scale": scale,
         }
-    return merged, report
+    if tied:
+        report["tied"] = tied
+    return retie(merged, tied), report
 
 
 def output_deviation(

@@ -14,7 +14,7 @@ from ada_modules.merging.amaris import amaris
 from ada_modules.merging.fisher import fisher_merge
 from ada_modules.merging.parameter_space import dare, task_arithmetic, ties
 from ada_modules.merging.regmean import regmean
-from ada_modules.merging.state_dicts import tied_keys
+from ada_modules.merging.state_dicts import retie, tied_keys, untie
 from ada_modules.merging.stats import ActivationStats
 
 __all__ = ["METHODS", "MergeRecipe", "ModelEntry", "merge"]
@@ -200,25 +200,20 @@ def merge(
 
     # Tied weights are one tensor under several keys: merge it once, under its first key (the
     # statistics of a layer whose weight is a later key are dropped), then share the result.
-    def untie(state: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in state.items() if k not in tied}
-
     def layers(stats: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-        if stats is None or recipe.statistics != "activations":
-            return None if stats is None else untie(stats)
-        return {layer: s for layer, s in stats.items() if f"{layer}.weight" not in tied}
+        if stats is None:
+            return None
+        return untie(stats, tied, layers=recipe.statistics == "activations")
 
     merged, report = _merge(
         recipe,
-        untie(base),
-        [untie(s) for s in specialists],
+        untie(base, tied),
+        [untie(s, tied) for s in specialists],
         layers(base_stats),
         None if specialist_stats is None else [layers(s) for s in specialist_stats],
         generator,
     )
-    for later, first in tied.items():
-        merged[later] = merged[first]
-    return merged, {**report, "tied": tied}
+    return retie(merged, tied), {**report, "tied": tied}
 
 
 def _merge(

@@ -19,13 +19,13 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ada_modules.errors import InputError
 
 __all__ = [
-    "tied_keys",
     "augmented_weight",
     "check_compatible",
     "check_weights",
@@ -33,8 +33,11 @@ __all__ = [
     "is_mergeable",
     "key",
     "linear_layers",
+    "retie",
     "set_augmented_weight",
     "task_vectors",
+    "tied_keys",
+    "untie",
 ]
 
 StateDict = Mapping[str, torch.Tensor]
@@ -237,3 +240,32 @@ def tied_keys(state_dict: StateDict) -> dict[str, str]:
         else:
             first[identity] = name
     return tied
+
+
+def untie(
+    state: Mapping[str, Any], tied: Mapping[str, str], *, layers: bool = False
+) -> dict[str, Any]:
+    """``state`` without the later keys of ``tied`` (from :func:`tied_keys`); with ``layers``,
+    ``state`` is per layer (activation statistics) and loses the layers whose weight is one.
+
+    Examples:
+        >>> untie({"embed.weight": 1, "head.weight": 1}, {"head.weight": "embed.weight"})
+        {'embed.weight': 1}
+        >>> untie({"embed": 1, "head": 2}, {"head.weight": "embed.weight"}, layers=True)
+        {'embed': 1}
+    """
+    if layers:
+        return {layer: value for layer, value in state.items() if key(layer, "weight") not in tied}
+    return {name: value for name, value in state.items() if name not in tied}
+
+
+def retie(merged: dict[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """Put back the later keys of ``tied`` into ``merged``, each the very tensor of its first key.
+
+    >>> shared = retie({"embed.weight": torch.ones(2)}, {"head.weight": "embed.weight"})
+    >>> shared["head.weight"] is shared["embed.weight"]
+    True
+    """
+    for later, first in tied.items():
+        merged[later] = merged[first]
+    return merged
