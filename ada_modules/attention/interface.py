@@ -19,9 +19,11 @@ The policy is built from the model config's ``sparse_prefill`` attribute (a dict
 keyword arguments; absent: the defaults), once per attention module, or set on a model with
 :func:`set_sparse_prefill_policy`. A call takes the sparse path only for a prefill (more than one
 query) of at least ``policy.min_sparse_length`` keys without gradients or dropout; decode steps,
-short prompts and training run transformers' SDPA attention, and so do layers that need more
-than causal attention with padding (a sliding window, logit softcapping, attention sinks or a
-non-causal module: a warning says so). The sparse path plans the call's
+short prompts and training run dense attention, and so do layers that need more than causal
+attention with padding (a sliding window, logit softcapping, attention sinks or a non-causal
+module: a warning says so). Dense attention is transformers' SDPA, or the model's own eager
+attention for softcapping and sinks, which SDPA cannot do
+(:func:`~ada_modules.attention.dense_fallback.dense_attention_forward`). The sparse path plans the call's
 blocks, runs :func:`~ada_modules.kernels.sparse_prefill.sparse_prefill_attention` (Triton on CUDA,
 the torch reference on CPU), and reports the plan to every active :func:`record_sparse_prefill`.
 
@@ -51,7 +53,6 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ada_modules.attention.adacal import AdaCalPolicy
@@ -62,6 +63,7 @@ from ada_modules.attention.baselines import (
     FlexPrefillPolicy,
     VerticalSlashPolicy,
 )
+from ada_modules.attention.dense_fallback import dense_attention_forward
 from ada_modules.attention.dispatch import TaskDispatcher
 from ada_modules.attention.plan import SparsePrefillPolicy, plan_density
 from ada_modules.errors import InputError
@@ -258,7 +260,8 @@ def _key_padding_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.
 
 def _unsupported_features(module: nn.Module, kwargs: dict[str, Any]) -> list[str]:
     """What an attention call asks for beyond causal attention with padding (see the module)."""
-    features = [name for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name)]
+    names = ("sliding_window", "softcap", "s_aux")
+    features = [name for name in names if kwargs.get(name) is not None]
     if not getattr(module, "is_causal", True):
         features.append("non-causal attention")
     return features
@@ -288,9 +291,9 @@ def sparse_prefill_forward(
         value: Like ``key``.
         attention_mask: SDPA boolean mask ``(batch, 1, q_len, k_len)``, an additive float mask,
             or ``None``; the sparse path reads the key padding from its last row.
-        dropout: Dropout probability; non-zero runs SDPA.
+        dropout: Dropout probability; non-zero runs dense attention.
         scaling: Softmax scale (default ``head_dim ** -0.5``).
-        **kwargs: Passed on to the SDPA fallback.
+        **kwargs: Passed on to the dense fallback.
 
     Returns:
         ``(attn_output, None)`` with ``attn_output`` of shape ``(batch, q_len, heads, head_dim)``.
@@ -301,7 +304,7 @@ def sparse_prefill_forward(
     if unsupported:
         warnings.warn(
             f"sparse prefill does not support {unsupported} ({type(module).__name__}); "
-            "this layer runs SDPA attention",
+            "this layer runs dense attention",
             stacklevel=2,
         )
     if (
@@ -313,7 +316,7 @@ def sparse_prefill_forward(
     ):
         for log in _ACTIVE_LOGS:
             log.dense_fallbacks += 1
-        return sdpa_attention_forward(
+        return dense_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling

@@ -36,9 +36,9 @@ import torch
 from torch.utils._pytree import tree_map
 from transformers import AttentionInterface
 from transformers.cache_utils import CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ada_modules.attention.dense_fallback import dense_attention_forward, eager_only_features
 from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl
 from ada_modules.kernels.adkv_decode import ADKVTensor, adkv_decode_attention, adkv_dequantize
@@ -553,8 +553,10 @@ def quantized_kv_attention(
     sets ``records_decode_lse``, hands the per-segment log-sum-exps to its
     ``observe_decode_lse``; for an :class:`~ada_modules.kv.ADKVLayer` it calls the fused ADKV
     decode attention (:func:`~ada_modules.kernels.adkv_decode.adkv_decode_attention`) on the
-    delta codes instead. Everything else (prefill, caches of other types, dropout) goes to
-    transformers' SDPA attention.
+    delta codes instead. Everything else (prefill, caches of other types, dropout, and the
+    logit softcapping and attention sinks the packed kernels do not implement) goes to dense
+    attention (:func:`~ada_modules.attention.dense_fallback.dense_attention_forward`: SDPA, or
+    the model's eager attention for softcapping and sinks).
 
     Args:
         module: The attention module (unused by the decode path).
@@ -564,9 +566,9 @@ def quantized_kv_attention(
         value: Like ``key``.
         attention_mask: SDPA boolean mask ``(batch, 1, q_len, kv_len)``, an additive float mask,
             or ``None``.
-        dropout: Dropout probability; non-zero falls back to SDPA.
+        dropout: Dropout probability; non-zero falls back to dense attention.
         scaling: Softmax scale.
-        **kwargs: Passed on to the SDPA fallback.
+        **kwargs: Passed on to the dense fallback.
 
     Returns:
         ``(attn_output, None)`` with ``attn_output`` of shape ``(batch, q_len, heads, head_dim)``.
@@ -576,6 +578,7 @@ def quantized_kv_attention(
         and isinstance(key, LazyDequantizedStates)
         and isinstance(value, LazyDequantizedStates)
         and dropout == 0.0
+        and not eager_only_features(kwargs)
     ):
         key_mask = _key_mask(attention_mask, key.shape[-2])
         if isinstance(key.segments[0].keys, ADKVTensor):  # one delta-coded history (ADKVLayer)
@@ -606,7 +609,7 @@ def quantized_kv_attention(
             out, lse = out
             key.layer.observe_decode_lse(lse)
         return out.unsqueeze(1), None
-    return sdpa_attention_forward(
+    return dense_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
 
