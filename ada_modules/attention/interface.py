@@ -206,8 +206,8 @@ def set_sparse_prefill_policy(model: nn.Module, policy: SparsePrefillPolicy | No
     """Use ``policy`` in every attention module of ``model`` (those with a ``config``).
 
     The model's ``attn_implementation`` must still be one of the registered sparse names (any of
-    them: the policy set here wins over the config's); ``None`` goes back to the config's policy.
-    Returns the number of modules set.
+    them: the policy set here wins over the config's; a warning says when it is not);
+    ``None`` goes back to the config's policy. Returns the number of modules set.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -223,6 +223,14 @@ def set_sparse_prefill_policy(model: nn.Module, policy: SparsePrefillPolicy | No
     modules = [m for m in model.modules() if _is_attention(m)]
     for module in modules:
         setattr(module, _POLICY_ATTRIBUTE, policy)
+    others = {m.config._attn_implementation for m in modules} - set(SPARSE_PREFILL_POLICIES)
+    if policy is not None and others:
+        warnings.warn(
+            f"set_sparse_prefill_policy: the model's attn_implementation is {sorted(others)}, "
+            f"not one of {sorted(SPARSE_PREFILL_POLICIES)}, so the policy does not run until it "
+            "is (model.set_attn_implementation('adacal'), or attn_implementation= at loading)",
+            stacklevel=2,
+        )
     return len(modules)
 
 

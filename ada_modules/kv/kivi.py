@@ -170,7 +170,7 @@ class KIVICache(Cache):
         check_group_size("key_group_size", key_group_size)
         check_group_size("value_group_size", value_group_size)
         if config is not None:
-            config, layers_in_config = full_attention_layers(config, "KIVICache")
+            config, layers_in_config = full_attention_layers(config, type(self).__name__)
             if num_layers is not None and num_layers != layers_in_config:
                 raise InputError(
                     f"num_layers={num_layers} disagrees with the config's {layers_in_config} layers"

@@ -138,9 +138,11 @@ class QuantizedKVLayer(CacheLayerMixin):
             or residual_length < 1
             or residual_length % key_group_size
         ):
+            multiple = (
+                f"multiple of key_group_size={key_group_size}" if key_group_size > 1 else "int"
+            )
             raise InputError(
-                f"residual_length must be a positive multiple of key_group_size={key_group_size}, "
-                f"got {residual_length!r}"
+                f"residual_length must be a positive {multiple}, got {residual_length!r}"
             )
         if impl not in ("auto", "triton", "torch"):
             raise InputError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")

@@ -1,6 +1,7 @@
 """The sparse prefill attention functions registered with transformers, and their monitor."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -98,6 +99,16 @@ def test_set_policy_wins_over_the_config():
     with torch.no_grad(), record_sparse_prefill() as default_log:
         default(ids)
     assert log.calls[0].density < default_log.calls[0].density
+
+
+def test_set_policy_warns_when_the_model_does_not_run_a_sparse_attention():
+    model = _model("sdpa")
+    with pytest.warns(UserWarning, match=r"attn_implementation is \['sdpa'\], not one of"):
+        assert set_sparse_prefill_policy(model, AShapePolicy(**SPARSE, local_blocks=1)) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        set_sparse_prefill_policy(model, None)  # going back needs no sparse implementation
+        set_sparse_prefill_policy(_model("adacal"), AShapePolicy(**SPARSE, local_blocks=1))
 
 
 def test_dispatch_path_loads_a_fitted_dispatcher(tmp_path):

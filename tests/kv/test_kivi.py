@@ -15,6 +15,8 @@ from ada_modules.kernels import kv_quant
 from ada_modules.kernels.kv_quant import dequantize, quantize_keys, quantize_values
 from ada_modules.kv import (
     QUANTIZED_KV_ATTENTION,
+    AdaKVQCache,
+    ADKVCache,
     KIVICache,
     LazyDequantizedStates,
     QuantizedKVLayer,
@@ -395,6 +397,14 @@ def test_crop_only_inside_the_residual_window():
 def test_bad_arguments_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KIVICache(**kwargs)
+
+
+def test_subclasses_and_adkv_are_named_in_their_own_messages():
+    sliding = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with pytest.raises(ValueError, match="^AdaKVQCache supports only full-attention"):
+        AdaKVQCache(sliding, key_bits=2, value_bits=2, value_group_size=16)
+    with pytest.raises(ValueError, match="^residual_length must be a positive int, got 0"):
+        ADKVCache(Qwen2Config(**TINY), residual_length=0)  # it has no key_group_size to name
 
 
 def test_value_group_must_divide_head_dim_at_first_update():
