@@ -80,7 +80,8 @@ class RoutedBlock(nn.Module):
 
     Args:
         block: The wrapped block; ``block(x, *args, **kwargs)`` returns a tensor shaped like
-            ``x`` (or a tuple whose first element is).
+            ``x`` (or a tuple whose first element is). A hidden state passed as
+            ``hidden_states=`` (as diffusers models do) reaches the block the same way.
         index: Position of the block in the stack.
         router: The stack's :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
 
@@ -105,11 +106,23 @@ class RoutedBlock(nn.Module):
         except AttributeError:
             return getattr(self._modules["block"], name)
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        by_keyword = "hidden_states" in kwargs
+        if by_keyword:
+            x = kwargs.pop("hidden_states")
+        elif args:
+            x, *args = args
+        else:
+            raise InputError(
+                f"routed block {self.index} got no hidden state: pass it first or as hidden_states="
+            )
         router: ConnectivityRouter = self._router
         p = router.enter(self.index, x)
         inputs = router.block_input(p, self.index, x)
-        out = self.block(inputs, *args, **kwargs)
+        if by_keyword:
+            out = self.block(*args, hidden_states=inputs, **kwargs)
+        else:
+            out = self.block(inputs, *args, **kwargs)
         y = out[0] if isinstance(out, tuple | list) else out
         if not isinstance(y, torch.Tensor) or y.shape != inputs.shape:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__

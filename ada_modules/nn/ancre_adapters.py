@@ -36,6 +36,7 @@ from torch import nn
 
 from ada_modules.errors import InputError
 from ada_modules.kernels import Impl
+from ada_modules.nn._diffusers_blocks import wrappable_transformer_blocks
 from ada_modules.nn.ancre import ANCReStack, wrap_module_list
 from ada_modules.nn.ancre_router import MODES, ConnectivityRouter, Mode, StateGrads
 
@@ -59,7 +60,8 @@ def wrap_hf_decoder(model: nn.Module, **router_kwargs: Any) -> nn.Module:
     """Route the decoder layers of a transformers causal LM in place; returns ``model``.
 
     Works on models whose decoder (``model.model`` or ``model.get_decoder()``) holds its layers
-    in ``.layers`` and adds each layer's input inside the layer (Llama, Qwen2, Mistral, ...).
+    in ``.layers`` and adds each layer's input inside the layer (Llama, Qwen2, Mistral, ..., and
+    the language model of LLaVA-style models).
     ``generate`` and KV caches work unchanged (the routing is per position).
 
     Args:
@@ -79,12 +81,17 @@ def wrap_hf_decoder(model: nn.Module, **router_kwargs: Any) -> nn.Module:
         3
     """
     decoder = getattr(model, "model", None)
-    if decoder is None and hasattr(model, "get_decoder"):
-        decoder = model.get_decoder()
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) and hasattr(
+        model, "get_decoder"
+    ):
+        decoder = model.get_decoder()  # LLaVA-style: model.model holds the language model
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise InputError(f"{type(model).__name__} has no decoder with a .layers ModuleList")
-    hidden = int(model.config.hidden_size)
+        raise InputError(
+            f"{type(model).__name__} has no decoder with a .layers ModuleList (neither "
+            "model.model.layers nor model.get_decoder().layers)"
+        )
+    hidden = int(model.config.get_text_config().hidden_size)
     router = wrap_module_list(layers, decoder, **_channel_kwargs(router_kwargs, hidden, -1))
     why = f"its decoder has one layer and {_SINGLE_SOURCE}"
     _warn_if_nothing_routed("wrap_hf_decoder", model, [router], router.mode, why, _USE_INPUT)
@@ -235,15 +242,18 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
 def wrap_diffusers_dit(model: nn.Module, **router_kwargs: Any) -> nn.Module:
     """Route the transformer blocks of a diffusers DiT (``DiTTransformer2DModel``) in place.
 
-    The model's own loop calls each block with its timestep and class labels; those arguments
-    pass through the wrappers. Returns ``model``.
+    The model's own loop calls each block with its timestep and class labels (and the hidden
+    state first or as ``hidden_states=``); those arguments pass through the wrappers. Also
+    PixArt, Allegro, CogView3Plus: models whose blocks return the hidden state (or a tuple that
+    starts with it). Returns ``model``.
 
     Args:
         model: A model with a ``transformer_blocks`` ``nn.ModuleList`` and ``inner_dim``.
         **router_kwargs: Arguments of :class:`~ada_modules.nn.ancre_router.ConnectivityRouter`.
 
     Raises:
-        TypeError: If the model has no ``transformer_blocks``.
+        TypeError: If the model has no ``transformer_blocks``, no ``inner_dim``, or blocks that
+            return ``(encoder_hidden_states, hidden_states)`` (SD3, Flux, ...).
 
     Examples:
         >>> from diffusers import DiTTransformer2DModel
@@ -253,10 +263,7 @@ def wrap_diffusers_dit(model: nn.Module, **router_kwargs: Any) -> nn.Module:
         >>> wrap_diffusers_dit(dit, mode="input").connectivity.mode
         'input'
     """
-    blocks = getattr(model, "transformer_blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise InputError(f"{type(model).__name__} has no transformer_blocks ModuleList")
-    width = int(model.inner_dim)
+    blocks, width = wrappable_transformer_blocks(model)
     router = wrap_module_list(blocks, model, **_channel_kwargs(router_kwargs, width, -1))
     why = f"it has one transformer block and {_SINGLE_SOURCE}"
     _warn_if_nothing_routed("wrap_diffusers_dit", model, [router], router.mode, why, _USE_INPUT)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -208,8 +209,12 @@ class MultiStreamResidual(nn.Module):
                 f"mixing='permutation' needs n_streams <= {_MAX_PERMUTATION_STREAMS} "
                 f"({n_streams}! matrices), got n_streams={n_streams}"
             )
-        if not math.isfinite(dynamic_scale):
-            raise InputError(f"dynamic_scale must be finite, got {dynamic_scale!r}")
+        if (
+            isinstance(dynamic_scale, bool)
+            or not isinstance(dynamic_scale, numbers.Real)
+            or not math.isfinite(dynamic_scale)
+        ):
+            raise InputError(f"dynamic_scale must be a finite number, got {dynamic_scale!r}")
         self.branch = branch
         self.dim, self.n_streams, self.kind, self.mixing = dim, n_streams, kind, mixing
         self.dynamic, self.dynamic_input = dynamic, dynamic_input

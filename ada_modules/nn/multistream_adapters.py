@@ -13,18 +13,20 @@ sub-layer as in the papers (which would need the model's code to be rewritten). 
 is exact in fp32 up to rounding; in bf16 it costs the block's rounding once more.
 
 Streams across the model's loop: the model calls each layer with one hidden-state tensor
-``(batch, ..., dim)`` and passes the result on. The first wrapped layer expands the hidden
-state into ``n`` equal streams, the layers in between carry the streams packed along the channel
-axis, ``(batch, ..., n * dim)`` (stream-major: ``[..., s * dim + c]`` is channel ``c`` of stream
-``s``), and the last wrapped layer returns the stream mean ``(batch, ..., dim)``. Batch and
-positions keep their axes, so attention masks, rotary embeddings, KV caches (``generate`` with a
-``DynamicCache``), timestep and class conditioning, and gradient checkpointing (transformers
-``activation_checkpointing_enable()``, timm ``set_grad_checkpointing()``, diffusers
-``enable_gradient_checkpointing()``, before or after wrapping) work unchanged. The model must
-call all wrapped layers, in order, once per forward pass: what runs between two wrapped layers
-(hooks on the wrappers, ``forward_intermediates``) sees the packed streams. Hooks on the blocks
-themselves (transformers' ``output_hidden_states``) see each block's own output ``block(h)``.
-A block that returns a tuple (older transformers layers) keeps its other elements.
+``(batch, ..., dim)`` (first, or as ``hidden_states=``) and passes the result on. The first
+wrapped layer expands the hidden state into ``n`` equal streams, the layers in between carry the
+streams packed along the channel axis, ``(batch, ..., n * dim)`` (stream-major: ``[..., s * dim
++ c]`` is channel ``c`` of stream ``s``), and the last wrapped layer returns the stream mean
+``(batch, ..., dim)``. Batch and positions keep their axes, so attention masks, rotary
+embeddings, KV caches (``generate`` with a ``DynamicCache``), timestep and class conditioning, and
+gradient checkpointing (transformers ``activation_checkpointing_enable()``, timm
+``set_grad_checkpointing()``, diffusers ``enable_gradient_checkpointing()``, before or after
+wrapping) work unchanged. The model must call all wrapped layers, in order, once per forward
+pass: what runs between two wrapped layers (hooks on the wrappers, ``forward_intermediates``) sees
+the packed streams. Hooks on the blocks themselves (transformers' ``output_hidden_states``) see
+each block's own output ``block(h)``. A block that returns a tuple (older transformers layers)
+keeps its other elements; the hidden state must be the first (blocks returning
+``(encoder_hidden_states, hidden_states)``, as in SD3 and Flux, are rejected).
 
 The connection weights are float32 (cast where used) and claim the ``"routing"`` role of
 :func:`~ada_modules.optim.param_groups.geometry_param_groups`, like ANCRe's coefficients, so
@@ -36,10 +38,10 @@ no parameters): bitwise the original model. Decoders reject ``dynamic="pooled"``
 average over all positions, which would let a causal LM see the future (and break KV caches).
 
 - :func:`wrap_hf_decoder_streams`: the decoder layers of a transformers ``LlamaForCausalLM`` /
-  ``Qwen2ForCausalLM`` (any causal LM whose decoder has ``.layers``).
+  ``Qwen2ForCausalLM`` (any causal LM whose decoder has ``.layers``, LLaVA-style models too).
 - :func:`wrap_timm_streams`: the ``.blocks`` of a timm ViT-like model.
 - :func:`wrap_diffusers_dit_streams`: ``transformer_blocks`` of diffusers'
-  ``DiTTransformer2DModel``.
+  ``DiTTransformer2DModel`` (PixArt, Allegro, CogView3Plus: blocks that return the hidden state).
 - :class:`StreamsWrapper`: picks the adapter from the model; a callable that YAML can set
   (``CausalLMModule(model_wrapper=...)``).
 - :class:`MLPStreamNet`: the blocks of :class:`~ada_modules.nn.MLPResNet` with multi-stream
@@ -56,6 +58,7 @@ import torch
 from torch import nn
 
 from ada_modules.errors import InputError
+from ada_modules.nn._diffusers_blocks import wrappable_transformer_blocks
 from ada_modules.nn.ancre_adapters import mlp_blocks
 from ada_modules.nn.multistream import (
     Dynamic,
@@ -94,17 +97,26 @@ class _BlockDelta(nn.Module):
         self.index = index
         self.extras: tuple[type, list[Any]] | None = None
 
-    def forward(self, h: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, *args: Any, hidden_by_keyword: bool = False, **kwargs: Any
+    ) -> torch.Tensor:
         block: nn.Module = self._block
-        out = block(h, *args, **kwargs)
-        y = out[0] if isinstance(out, tuple | list) else out
+        out = (
+            block(*args, hidden_states=h, **kwargs)
+            if hidden_by_keyword
+            else block(h, *args, **kwargs)
+        )
+        is_tuple = isinstance(out, tuple | list)
+        y = out[0] if is_tuple else out
         if not isinstance(y, torch.Tensor) or y.shape != h.shape:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            what = "the first element of its tuple" if is_tuple else "its output"
             raise InputError(
-                f"block {self.index} ({type(block).__name__}) returned shape {got} for an input "
-                f"of shape {tuple(h.shape)}; blocks with stream residuals must preserve the shape"
+                f"block {self.index} ({type(block).__name__}) returned shape {got} ({what}, taken "
+                f"as the hidden state) for an input of shape {tuple(h.shape)}; blocks with stream "
+                "residuals must preserve the shape"
             )
-        self.extras = (type(out), list(out[1:])) if isinstance(out, tuple | list) else None
+        self.extras = (type(out), list(out[1:])) if is_tuple else None
         return y - h
 
 
@@ -112,8 +124,10 @@ class StreamBlock(nn.Module):
     """One block of a model's own layer loop, with a multi-stream residual around it.
 
     Takes the hidden state ``(batch, ..., dim)`` if it is the first wrapped block, else the packed
-    streams ``(batch, ..., n_streams * dim)``; returns the packed streams, or the stream mean if
-    it is the last (see the module docstring). The block is the branch ``F(h) = block(h) - h``.
+    streams ``(batch, ..., n_streams * dim)``, as the first positional argument or as
+    ``hidden_states=`` (the block gets its input the same way); returns the packed streams, or
+    the stream mean if it is the last (see the module docstring). The block is the branch
+    ``F(h) = block(h) - h``.
     Attributes that the block has and the wrapper does not are read from the block, so model code
     that inspects its layers (``layers[0].attention_type``, ``blocks[0].norm1``) still works.
 
@@ -180,9 +194,18 @@ class StreamBlock(nn.Module):
         """Names (relative to this wrapper) of the static connection weights."""
         return {f"streams.{name}" for name in self.streams.no_weight_decay()}
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.disable:
-            return self.block(x, *args, **kwargs)
+            return self.block(*args, **kwargs)
+        by_keyword = "hidden_states" in kwargs
+        if by_keyword:
+            x = kwargs.pop("hidden_states")
+        elif args:
+            x, args = args[0], args[1:]
+        else:
+            raise InputError(
+                f"stream block {self.index} got no hidden state: pass it first or as hidden_states="
+            )
         n, dim = self.n_streams, self.dim
         first, last = self.index == 0, self.index == self.num_blocks - 1
         width = dim if first else n * dim
@@ -192,13 +215,14 @@ class StreamBlock(nn.Module):
             raise InputError(
                 f"stream block {self.index} of {self.num_blocks} expected {what} with {width} "
                 f"channels on the last axis, got shape {got}; the model must call every "
-                "wrapped block, in order, once per forward pass"
+                "wrapped block, in order, once per forward pass, and pass on what each returns (a "
+                "block that returns a tuple must return the hidden state first)"
             )
         # streams: (batch, n, ..., dim)
         streams = expand_streams(x, n) if first else x.unflatten(-1, (n, dim)).movedim(-2, 1)
         branch: _BlockDelta = self.streams.branch
         branch.extras = None
-        out = self.streams(streams, *args, **kwargs)
+        out = self.streams(streams, *args, hidden_by_keyword=by_keyword, **kwargs)
         extras, branch.extras = branch.extras, None
         y = reduce_streams(out) if last else out.movedim(1, -2).flatten(-2)
         if extras is not None:
@@ -272,7 +296,8 @@ def wrap_hf_decoder_streams(
 
     In place; returns ``model``. Works on models whose decoder (``model.model`` or
     ``model.get_decoder()``) holds its layers in ``.layers`` and adds each layer's input inside
-    the layer (Llama, Qwen2, Mistral, ...). ``generate`` and KV caches work unchanged (the
+    the layer (Llama, Qwen2, Mistral, ..., and the language model of LLaVA-style models, of width
+    ``config.get_text_config().hidden_size``). ``generate`` and KV caches work unchanged (the
     connections are per position). ``model.no_weight_decay()`` names the static connection
     weights (``model.layers.<i>.streams.pre_static``, ...).
 
@@ -301,18 +326,21 @@ def wrap_hf_decoder_streams(
         >>> bool(torch.allclose(model(ids).logits, before, atol=1e-5))
         True
     """
-    decoder = getattr(model, "model", None)
-    if decoder is None and hasattr(model, "get_decoder"):
-        decoder = model.get_decoder()
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) and hasattr(model, "get_decoder"):
+        layers = getattr(model.get_decoder(), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise InputError(f"{type(model).__name__} has no decoder with a .layers ModuleList")
+        raise InputError(
+            f"{type(model).__name__} has no decoder with a .layers ModuleList (neither "
+            "model.model.layers nor model.get_decoder().layers)"
+        )
     if stream_kwargs.get("dynamic") == "pooled" and not stream_kwargs.get("disable"):
         raise InputError(
             "dynamic='pooled' averages over all positions, which a causal decoder must not see "
             "(and which KV caches cannot reproduce); use dynamic='token' or 'none'"
         )
-    return _wrap_blocks(model, layers, int(model.config.hidden_size), n_streams, stream_kwargs)
+    width = int(model.config.get_text_config().hidden_size)  # LLaVA: the text_config's
+    return _wrap_blocks(model, layers, width, n_streams, stream_kwargs)
 
 
 def wrap_timm_streams(model: nn.Module, n_streams: int = 4, **stream_kwargs: Any) -> nn.Module:
@@ -353,9 +381,12 @@ def wrap_diffusers_dit_streams(
 ) -> nn.Module:
     """Put multi-stream residuals around the ``transformer_blocks`` of a diffusers DiT, in place.
 
-    For ``DiTTransformer2DModel`` (and models with ``transformer_blocks`` and ``inner_dim``). The
-    model's own loop calls each block with its timestep and class labels; those arguments pass
-    through the wrappers. Returns ``model``.
+    For ``DiTTransformer2DModel`` and other models with ``transformer_blocks`` of width
+    ``inner_dim`` whose blocks return the hidden state (or a tuple that starts with it), e.g.
+    ``PixArtTransformer2DModel``, ``AllegroTransformer3DModel``, ``CogView3PlusTransformer2DModel``.
+    The model's own loop calls each block with its timestep, class labels or text states; those
+    arguments pass through the wrappers. Returns ``model``. Dual-stream blocks that return
+    ``(encoder_hidden_states, hidden_states)`` (SD3, Flux, QwenImage, ...) are rejected.
 
     Args:
         model: A model with a ``transformer_blocks`` ``nn.ModuleList`` and ``inner_dim``.
@@ -363,7 +394,8 @@ def wrap_diffusers_dit_streams(
         **stream_kwargs: Arguments of :class:`~ada_modules.nn.multistream.MultiStreamResidual`.
 
     Raises:
-        ValueError: If the model has no ``transformer_blocks`` (naming its type), or a stream
+        ValueError: If the model has no ``transformer_blocks`` or no ``inner_dim``, or its blocks
+            return ``(encoder_hidden_states, hidden_states)`` (naming its type), or a stream
             argument is out of range.
 
     Examples:
@@ -375,10 +407,7 @@ def wrap_diffusers_dit_streams(
         >>> dit.transformer_blocks[1].streams.n_streams
         3
     """
-    blocks = getattr(model, "transformer_blocks", None)
-    width = getattr(model, "inner_dim", None)
-    if not isinstance(blocks, nn.ModuleList) or not isinstance(width, int):
-        raise InputError(f"{type(model).__name__} has no transformer_blocks ModuleList")
+    blocks, width = wrappable_transformer_blocks(model)
     return _wrap_blocks(model, blocks, width, n_streams, stream_kwargs)
 
 
@@ -386,8 +415,9 @@ class StreamsWrapper:
     """Puts multi-stream residuals around a model's blocks when called on it.
 
     Picks the adapter from the model: diffusers DiT (``transformer_blocks``), timm ViT-like
-    (``blocks``), or a transformers causal LM (``model`` or ``get_decoder()``). A callable with the connections' settings, for
-    YAML (``CausalLMModule(model_wrapper=...)``). The settings are checked when it is built.
+    (``blocks``), or a transformers causal LM (``model`` or ``get_decoder()``). A callable with
+    the connections' settings, for YAML (``CausalLMModule(model_wrapper=...)``). The settings are
+    checked when it is built.
 
     Args:
         n_streams: Number of streams.

@@ -7,7 +7,17 @@ from functools import partial
 import pytest
 import timm
 import torch
-from helpers.tiny_adapter_models import perturb, tiny_dit, tiny_llama, tiny_qwen2, tiny_vit
+from helpers.tiny_adapter_models import (
+    perturb,
+    tiny_cogview3plus,
+    tiny_dit,
+    tiny_llama,
+    tiny_llava,
+    tiny_qwen2,
+    tiny_sana,
+    tiny_sd3,
+    tiny_vit,
+)
 from torch import nn
 
 from ada_modules.nn import (
@@ -162,6 +172,38 @@ def test_diffusers_dit_is_unchanged_at_init(seed, mode, options):
     reference = dit(x, **kwargs).sample
     wrapped = wrap_diffusers_dit(copy.deepcopy(dit), mode=mode, **_options(mode, options))
     assert torch.equal(wrapped(x, **kwargs).sample, reference)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hf_llava_language_model_is_unchanged_at_init(seed, mode):
+    model = tiny_llava()
+    ids = torch.randint(0, 31, (2, 7))
+    ids[:, 1:5] = 31  # the 4 image patches
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16)}
+    reference = model(**inputs).logits
+    wrapped = wrap_hf_decoder(copy.deepcopy(model), mode=mode, per_channel=True)
+    assert wrapped.get_decoder().connectivity.num_layers == 2  # model.model has no .layers
+    assert torch.equal(wrapped(**inputs).logits, reference)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_diffusers_blocks_called_with_hidden_states_keyword_are_unchanged_at_init(seed, mode):
+    model = tiny_cogview3plus()  # calls block(hidden_states=..., ...)
+    sizes = {name: torch.randn(2, 2) for name in ("original_size", "target_size", "crop_coords")}
+    inputs = {"encoder_hidden_states": torch.randn(2, 5, 12), "timestep": torch.tensor([3, 7])}
+    latent = torch.randn(2, 4, 8, 8)
+    reference = model(latent, **inputs, **sizes).sample
+    wrapped = wrap_diffusers_dit(copy.deepcopy(model), mode=mode)
+    assert torch.equal(wrapped(latent, **inputs, **sizes).sample, reference)
+    with pytest.raises(ValueError, match="routed block 0 got no hidden state"):
+        wrapped.transformer_blocks[0](encoder_hidden_states=inputs["encoder_hidden_states"])
+
+
+def test_diffusers_models_the_wrapper_cannot_take_are_named():
+    with pytest.raises(ValueError, match=r"SD3Transformer2DModel is not supported: .*\(encoder"):
+        ConnectivityWrapper()(tiny_sd3())
+    with pytest.raises(ValueError, match="SanaTransformer2DModel has transformer_blocks but no"):
+        wrap_diffusers_dit(tiny_sana())
 
 
 def test_hard_export_of_an_adapted_model_at_init_is_the_original(seed):

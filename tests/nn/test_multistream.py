@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from ada_modules.errors import InputError
 from ada_modules.nn.multistream import (
     MultiStreamResidual,
     MultiStreamStack,
@@ -238,11 +239,15 @@ def test_high_learning_rate_stays_finite_for_mhc() -> None:
         (dict(n_streams=6, mixing="permutation"), "n_streams <= 5"),
         (dict(n_streams=4, disable=True), "n_streams must be 1"),
         (dict(dim=0), "dim must be an integer >= 1"),
+        (dict(dynamic_scale="1e-2"), "dynamic_scale must be a finite number, got '1e-2'"),
+        (dict(dynamic_scale=None), "dynamic_scale must be a finite number, got None"),
+        (dict(dynamic_scale=True), "dynamic_scale must be a finite number, got True"),
+        (dict(dynamic_scale=float("inf")), "dynamic_scale must be a finite number, got inf"),
     ],
 )
 def test_bad_arguments(kwargs: dict, match: str) -> None:
     kwargs = {"dim": 4, **kwargs}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InputError, match=match):
         MultiStreamResidual(nn.Identity(), **kwargs)
 
 

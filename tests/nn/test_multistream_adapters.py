@@ -3,10 +3,20 @@
 import copy
 from functools import partial
 
+import diffusers
 import pytest
 import timm
 import torch
-from helpers.tiny_adapter_models import tiny_dit, tiny_llama, tiny_qwen2, tiny_vit
+from helpers.tiny_adapter_models import (
+    tiny_cogview3plus,
+    tiny_dit,
+    tiny_llama,
+    tiny_llava,
+    tiny_qwen2,
+    tiny_sana,
+    tiny_sd3,
+    tiny_vit,
+)
 from torch import nn
 from transformers import DynamicCache
 
@@ -144,6 +154,109 @@ def test_diffusers_dit_is_the_original_at_init(seed, settings):
     torch.testing.assert_close(wrapped(_LATENT, **_DIT_KWARGS).sample, reference)
 
 
+def test_hf_llava_language_model_is_the_original_at_init(seed):
+    model = tiny_llava()
+    ids = torch.randint(0, 31, (2, 7))
+    ids[:, 1:5] = 31  # the 4 image patches
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16)}
+    reference = model(**inputs).logits
+    wrapped = wrap_hf_decoder_streams(copy.deepcopy(model), n_streams=3)  # get_decoder().layers
+    assert all(isinstance(layer, StreamBlock) for layer in wrapped.get_decoder().layers)
+    assert wrapped.get_decoder().layers[0].dim == 24  # the text config's width
+    torch.testing.assert_close(wrapped(**inputs).logits, reference, rtol=1e-5, atol=1e-5)
+
+
+class _KeywordBlock(nn.Module):
+    """A block that takes its hidden state only by keyword, like diffusers blocks called so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, *, hidden_states: torch.Tensor, scale: float) -> torch.Tensor:
+        return hidden_states + scale * self.linear(hidden_states)
+
+
+def test_stream_block_takes_the_hidden_state_by_keyword(seed):
+    blocks = [_KeywordBlock() for _ in range(3)]
+    layers = [StreamBlock(block, i, 3, dim=8, n_streams=4) for i, block in enumerate(blocks)]
+    x = y = torch.randn(2, 5, 8)
+    for block, layer in zip(blocks, layers, strict=True):
+        y = block(hidden_states=y, scale=0.5)
+        x = layer(hidden_states=x, scale=0.5)
+    torch.testing.assert_close(x, y)
+    with pytest.raises(InputError, match="stream block 0 got no hidden state"):
+        layers[0](scale=0.5)
+
+
+def test_diffusers_blocks_called_with_hidden_states_keyword(seed):
+    # CogView3Plus calls its blocks with hidden_states= and they return (hidden, encoder states)
+    model = tiny_cogview3plus()
+    sizes = {name: torch.randn(2, 2) for name in ("original_size", "target_size", "crop_coords")}
+    inputs = {"encoder_hidden_states": torch.randn(2, 5, 12), "timestep": torch.tensor([3, 7])}
+    reference = model(_LATENT, **inputs, **sizes).sample
+    wrapped = wrap_diffusers_dit_streams(copy.deepcopy(model), n_streams=4)
+    torch.testing.assert_close(wrapped(_LATENT, **inputs, **sizes).sample, reference)
+
+
+class _EncoderFirstBlock(nn.Module):
+    """A dual-stream block of no known class: returns (encoder states, hidden states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, hidden_states, encoder_hidden_states):
+        return encoder_hidden_states + 1, hidden_states + self.linear(hidden_states)
+
+
+class _EncoderFirstModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner_dim = 8
+        self.transformer_blocks = nn.ModuleList(_EncoderFirstBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        for block in self.transformer_blocks:
+            context, x = block(hidden_states=x, encoder_hidden_states=context)
+        return x
+
+
+def test_diffusers_blocks_that_return_encoder_states_first_are_rejected():
+    sd3 = tiny_sd3()
+    match = r"SD3Transformer2DModel is not supported: its blocks \(JointTransformerBlock\)"
+    with pytest.raises(InputError, match=match):
+        wrap_diffusers_dit_streams(sd3)
+    with pytest.raises(InputError, match=match):
+        StreamsWrapper()(sd3)
+    flux = diffusers.FluxTransformer2DModel(
+        in_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=12,
+        pooled_projection_dim=6,
+        axes_dims_rope=(2, 2, 4),
+    )
+    with pytest.raises(
+        InputError, match=r"FluxTransformer2DModel .* \(encoder_hidden_states, hidden"
+    ):
+        wrap_diffusers_dit_streams(flux)
+    assert not isinstance(sd3.transformer_blocks[0], StreamBlock)  # left as it was
+    # a block class not known to return (encoder, hidden): caught at the first forward pass
+    model = wrap_diffusers_dit_streams(_EncoderFirstModel(), n_streams=2)
+    with pytest.raises(InputError, match="must return the hidden state first"):
+        model(torch.randn(2, 5, 8), torch.randn(2, 5, 8))
+
+
+def test_diffusers_model_without_inner_dim_is_named():
+    sana = tiny_sana()
+    match = "SanaTransformer2DModel has transformer_blocks but no integer inner_dim"
+    with pytest.raises(InputError, match=match):
+        wrap_diffusers_dit_streams(sana)
+
+
 def test_disable_is_bitwise_the_original(seed):
     model = tiny_qwen2()
     ids = _ids()
@@ -232,6 +345,11 @@ def test_adapters_reject_models_and_settings_they_do_not_know():
         StreamsWrapper(kind="dense")
     with pytest.raises(InputError, match="n_streams"):
         StreamsWrapper(n_streams=0)
+    for scale in ("1e-2", None, True):
+        with pytest.raises(
+            InputError, match=f"dynamic_scale must be a finite number, got {scale!r}"
+        ):
+            wrap_hf_decoder_streams(tiny_llama(2), dynamic_scale=scale)
     with pytest.raises(InputError, match="already has stream residuals"):
         wrap_timm_streams(wrap_timm_streams(tiny_vit()))
 
