@@ -8,11 +8,12 @@ them, with the boolean mask our registered SDPA mask builder made turned into an
 
 Example:
     >>> import torch
-    >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> attention = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=16, num_hidden_layers=1,
-    ...     num_attention_heads=2, intermediate_size=32)).model.layers[0].self_attn
+    >>> from transformers import Gemma2Config, Gemma2ForCausalLM
+    >>> config = Gemma2Config(vocab_size=8, hidden_size=16, num_hidden_layers=1, head_dim=8,
+    ...     num_attention_heads=2, num_key_value_heads=2, intermediate_size=32)
+    >>> attention = Gemma2ForCausalLM(config).model.layers[0].self_attn
     >>> q = k = v = torch.randn(1, 2, 5, 8)
-    >>> out, _ = dense_attention_forward(attention, q, k, v, None, softcap=50.0)
+    >>> out, _ = dense_attention_forward(attention, q, k, v, None, softcap=50.0)  # Gemma 2's eager
     >>> out.shape
     torch.Size([1, 5, 2, 8])
 """
@@ -42,15 +43,16 @@ def _additive_mask(
 ) -> torch.Tensor | None:
     """An additive float mask (0 visible, the dtype's minimum hidden) from an SDPA mask.
 
-    ``None`` (the mask builder skipped a causal mask without padding) becomes the causal mask of
-    the last ``q_len`` positions over ``k_len`` keys, which eager attention does not add itself.
+    ``None`` (the mask builder skipped a causal mask without padding) becomes the causal mask SDPA
+    would apply with ``is_causal``: aligned at the top left, query ``i`` sees keys ``0..i`` (a
+    static cache's first prefill: the slots past the prompt stay hidden). Eager attention does
+    not add it itself.
     """
     hidden = torch.finfo(query.dtype).min
     if mask is None:
         if not causal or query.shape[-2] == 1:
             return None
-        q_len = query.shape[-2]
-        rows = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
+        rows = torch.arange(query.shape[-2], device=query.device)[:, None]
         mask = torch.arange(k_len, device=query.device)[None, :] <= rows
     if mask.dtype != torch.bool:
         return mask.to(query.dtype)
@@ -103,5 +105,7 @@ def dense_attention_forward(
             f"its module {type(module).__module__} has no eager_attention_forward to run instead"
         )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    mask = _additive_mask(attention_mask, query, key.shape[-2], getattr(module, "is_causal", True))
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    mask = _additive_mask(attention_mask, query, key.shape[-2], causal)
     return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)

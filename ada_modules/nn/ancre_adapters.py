@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -138,16 +138,27 @@ def _out_channels(block: nn.Module) -> int:
     raise InputError(f"cannot infer the output channels of {type(block).__name__}")
 
 
-def _timm_stages(model: nn.Module) -> list[tuple[nn.Sequential | nn.ModuleList, int, int]] | None:
-    """A timm ResNet's, ConvNeXt's or Swin's stages as ``(blocks, start, channel_dim)``, where
-    ``blocks[start:]`` keep the shape. ``None`` for other models."""
+class _Stage(NamedTuple):
+    """A stage of a timm CNN or hierarchical transformer: ``blocks[start:]`` keep the shape."""
+
+    name: str  # the stage's module name, as in ``model.feature_info``
+    blocks: nn.Sequential | nn.ModuleList
+    start: int
+    channel_dim: int
+
+
+def _timm_stages(model: nn.Module) -> list[_Stage] | None:
+    """A timm ResNet's, ConvNeXt's or Swin's stages; ``None`` for other models."""
     layers = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
     if all(isinstance(layer, nn.Sequential) for layer in layers):
-        return [(layer, 1, 1) for layer in layers]  # a ResNet stage's first block changes shape
-    stages = getattr(model, "stages", None)
+        # a ResNet stage's first block changes the shape
+        return [_Stage(f"layer{i + 1}", layer, 1, 1) for i, layer in enumerate(layers)]
+    name = "stages"
+    stages = getattr(model, name, None)
     if not isinstance(stages, nn.Sequential):
-        stages = getattr(model, "layers", None)  # Swin's name (an HF decoder's is a ModuleList)
-    if not isinstance(stages, nn.Sequential):
+        name = "layers"  # Swin's name (an HF decoder's is a ModuleList)
+        stages = getattr(model, name, None)
+    if not isinstance(stages, nn.Sequential) or len(stages) == 0:
         return None
     # imported for the models that need them; these stages downsample before their blocks
     from timm.models.convnext import ConvNeXtStage
@@ -155,10 +166,12 @@ def _timm_stages(model: nn.Module) -> list[tuple[nn.Sequential | nn.ModuleList, 
     from timm.models.swin_transformer_v2 import SwinTransformerV2Stage
 
     if all(isinstance(stage, ConvNeXtStage) for stage in stages):
-        return [(stage.blocks, 0, 1) for stage in stages]  # NCHW
-    if all(isinstance(stage, SwinTransformerStage | SwinTransformerV2Stage) for stage in stages):
-        return [(stage.blocks, 0, -1) for stage in stages]  # NHWC
-    return None
+        channel_dim = 1  # NCHW
+    elif all(isinstance(stage, SwinTransformerStage | SwinTransformerV2Stage) for stage in stages):
+        channel_dim = -1  # NHWC
+    else:
+        return None
+    return [_Stage(f"{name}.{i}", stage.blocks, 0, channel_dim) for i, stage in enumerate(stages)]
 
 
 def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
@@ -212,13 +225,17 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
     mode = router_kwargs.get("mode", "source")
     holder = nn.Module()  # owner of the routers, so that no stage calls them
     routers = nn.ModuleList()
-    for i, (blocks, start, channel_dim) in enumerate(stages):
-        if len(blocks) <= start:
+    widths = {info["module"]: info["num_chs"] for info in getattr(model, "feature_info", [])}
+    for i, stage in enumerate(stages):
+        if len(stage.blocks) <= stage.start:
             continue
-        kwargs = _channel_kwargs(router_kwargs, _out_channels(blocks[start]), channel_dim)
-        routers.append(wrap_module_list(blocks, holder, name=f"stage{i}", start=start, **kwargs))
+        width = widths.get(stage.name) or _out_channels(stage.blocks[0])
+        kwargs = _channel_kwargs(router_kwargs, width, stage.channel_dim)
+        routers.append(
+            wrap_module_list(stage.blocks, holder, name=f"stage{i}", start=stage.start, **kwargs)
+        )
     model.connectivity = routers
-    if stages[0][1] == 1:  # a ResNet
+    if isinstance(getattr(model, "layer1", None), nn.Sequential):  # a ResNet
         single = (
             "every stage has a single block after its first one (the first block of a stage "
             "changes the resolution and the width, so it is not routed)"

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import Tensor
@@ -261,8 +262,13 @@ def sample_plackett_luce(
         >>> sorted(picks[0].tolist())
         [0, 2]
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    try:
+        picks = -1 if isinstance(k, bool) else operator.index(k)  # numpy and 0-d tensors too
+    except TypeError:
+        picks = -1
+    if picks < 0:
         raise InputError(f"k must be an integer >= 0, got {k!r}")
+    k = picks
     valid = torch.broadcast_to(mask, logits.shape).sum(-1).reshape(-1)
     short = (valid < k).nonzero()
     if len(short):

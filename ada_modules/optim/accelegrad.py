@@ -93,10 +93,14 @@ class AcceleGrad(Optimizer):
         """Add a group after checking its ``lr``, ``g0`` and ``proj_radius``."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_positive("lr (the diameter D)", group["lr"])
-        check_positive("g0", group["g0"])
-        if group["proj_radius"] is not None:
-            check_positive("proj_radius", group["proj_radius"], "or None")
+        try:
+            check_positive("lr (the diameter D)", group["lr"])
+            check_positive("g0", group["g0"])
+            if group["proj_radius"] is not None:
+                check_positive("proj_radius", group["proj_radius"], "or None")
+        except InputError:
+            self.param_groups.pop()  # a refused group is not kept
+            raise
 
     def _init_group(self, group: dict[str, Any]) -> list[Tensor]:
         if not group["params"]:
@@ -149,9 +153,7 @@ class AcceleGrad(Optimizer):
                 torch.add(p, p.grad, alpha=-eta, out=st["y"])
             # With lr = 0 nothing moves, not even z onto the ball (checkpoint loaders step at lr 0).
             if group["proj_radius"] is not None and group["lr"] > 0:
-                znorm = math.sqrt(
-                    _sum_sq(torch._foreach_norm([self.state[p]["z"] for p in params]))
-                )
+                znorm = math.sqrt(_sum_sq(_norms([self.state[p]["z"] for p in params])))
                 if znorm > group["proj_radius"]:
                     for p in params:
                         self.state[p]["z"].mul_(group["proj_radius"] / znorm)

@@ -162,20 +162,11 @@ class AcceleGradSharp(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after validating its options and its tensors against its norm."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _validate(group)
-        for i, p in enumerate(group["params"]):
-            if p.is_complex() or not p.is_floating_point() or p.dtype == torch.float16:
-                raise InputError(
-                    f"AcceleGradSharp needs real floating parameters other than float16 (whose "
-                    f"range does not hold sums of squared gradients), got {p.dtype} for "
-                    f"{_name(group, i)}; bfloat16 works, and so does Lightning's "
-                    "precision='16-mixed', which keeps float32 parameters"
-                )
-            try:
-                _resolve_norm(group, p).check(p)
-            except ValueError as err:
-                raise InputError(f"{_name(group, i)}: {err}") from None
+        try:
+            _check_group(self.param_groups[-1])
+        except InputError:
+            self.param_groups.pop()  # a refused group is not kept
+            raise
 
     def _init_group(self, group: dict[str, Any]) -> list[Tensor]:
         if not group["params"]:
@@ -360,6 +351,23 @@ def _resolve_norm(group: dict[str, Any], p: Tensor) -> _lmo.Norm:
     if norm is None:
         return _lmo.get_norm(_lmo.auto_norm(p))
     return _lmo.get_norm(norm, **(group["norm_kwargs"] or {}))
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    """Raise ``InputError`` naming the first bad option or tensor of ``group``."""
+    _validate(group)
+    for i, p in enumerate(group["params"]):
+        if p.is_complex() or not p.is_floating_point() or p.dtype == torch.float16:
+            raise InputError(
+                f"AcceleGradSharp needs real floating parameters other than float16 (whose "
+                f"range does not hold sums of squared gradients), got {p.dtype} for "
+                f"{_name(group, i)}; bfloat16 works, and so does Lightning's "
+                "precision='16-mixed', which keeps float32 parameters"
+            )
+        try:
+            _resolve_norm(group, p).check(p)
+        except ValueError as err:
+            raise InputError(f"{_name(group, i)}: {err}") from None
 
 
 def _validate(group: dict[str, Any]) -> None:

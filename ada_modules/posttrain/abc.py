@@ -274,12 +274,12 @@ def semi_supervised_weights(
     groups = _check_groups(human_labelled, pseudo_labelled, pseudo_unlabelled)
     if num_unlabelled is not None and (
         isinstance(num_unlabelled, bool)
-        or not isinstance(num_unlabelled, numbers.Integral)
-        or num_unlabelled < len(groups[2])
+        or not isinstance(num_unlabelled, numbers.Real)
+        or not len(groups[2]) <= num_unlabelled < math.inf
     ):
         raise InputError(
-            f"num_unlabelled must be an integer >= {len(groups[2])} (the unlabelled statistics "
-            f"given) or None, got {num_unlabelled!r}"
+            f"num_unlabelled must be a finite number >= {len(groups[2])} (the unlabelled "
+            f"statistics given) or None, got {num_unlabelled!r}"
         )
     return _weights(_Moments(*groups, big_n=num_unlabelled), method)
 
@@ -403,13 +403,12 @@ def margin_gradients(margin: Tensor, labels: Tensor, margin_grads: Tensor) -> Te
         ValueError: If the shapes are not ``(m,)``, ``(m,)`` and ``(m, d)``, or a label is
             outside ``[0, 1]``.
     """
-    m = len(margin)
     if margin.dim() != 1 or labels.shape != margin.shape or margin_grads.dim() != 2:
         raise InputError(
             "margin, labels and margin_grads must have shapes (m,), (m,) and (m, d), got "
             f"{tuple(margin.shape)}, {tuple(labels.shape)} and {tuple(margin_grads.shape)}"
         )
-    if len(margin_grads) != m:
-        raise InputError(f"margin_grads has {len(margin_grads)} rows for {m} margins")
+    if len(margin_grads) != len(margin):
+        raise InputError(f"margin_grads has {len(margin_grads)} rows for {len(margin)} margins")
     _check_labels(labels)
     return (torch.sigmoid(margin) - labels.to(margin.dtype))[:, None] * margin_grads

@@ -181,13 +181,15 @@ def predicted_entropy_drift(advantages: Tensor, surprisal: Tensor, entropy: Tens
             f"{tuple(advantages.shape)} and {tuple(surprisal.shape)}"
         )
     entropy = torch.as_tensor(entropy, dtype=surprisal.dtype, device=surprisal.device)
-    if entropy.numel() != 1 and entropy.shape != advantages.shape[:1]:
+    if entropy.numel() == 1:
+        entropy = entropy.reshape(())
+    elif entropy.shape in ((len(advantages),), (len(advantages), 1)):
+        entropy = entropy.reshape(-1, 1)
+    else:
         raise InputError(
-            f"entropy must have shape ({len(advantages)},) (one per prompt) or be a scalar, got "
-            f"{tuple(entropy.shape)}"
+            f"entropy must have one value per prompt ({len(advantages)},) or be a scalar, got "
+            f"shape {tuple(entropy.shape)}"
         )
-    if entropy.ndim == 1:
-        entropy = entropy[:, None]
     return (advantages * (surprisal - entropy)).mean(dim=1)
 
 

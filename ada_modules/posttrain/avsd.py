@@ -94,7 +94,8 @@ def _kl(p: Tensor, q: Tensor) -> Tensor:
     """``KL(p || q)`` over the last axis, from log-probabilities (broadcast).
 
     A token without mass under ``p`` (``-inf``) adds 0, also where ``q`` is ``-inf`` too; such
-    entries are replaced before the arithmetic, so neither the value nor the gradients see NaN.
+    entries are replaced before the arithmetic, so neither the value nor the gradients of this
+    sum see NaN.
     """
     has_mass = p > -math.inf
     p = torch.where(has_mass, p, 0.0)
@@ -107,7 +108,8 @@ def pool_views(view_logps: Tensor) -> ViewPool:
 
     Args:
         view_logps: Log-probabilities of each view, shape ``(M, ..., V)`` (each row normalised;
-            ``-inf`` for a token a view rules out).
+            ``-inf`` for a token a view rules out). A target: with ``-inf`` entries, gradients
+            through the views are not defined (detach them, as teacher views are).
 
     Raises:
         ValueError: If ``view_logps`` has no view axis or no view.

@@ -115,6 +115,20 @@ def test_timm_resnet_stages_are_unchanged_at_init(seed, mode, options):
     assert torch.equal(wrapped(x), reference)
 
 
+def test_timm_resnet_channels_come_from_the_stages_not_an_attention_modules_norm(seed):
+    resnet = timm.models.ResNet(  # CBAM blocks hold a 1-channel BatchNorm
+        block=timm.models.resnet.BasicBlock,
+        layers=[2, 2, 1, 1],
+        channels=(8, 16, 24, 32),
+        stem_width=8,
+        num_classes=4,
+        block_args={"attn_layer": "cbam"},
+    )
+    wrapped = wrap_timm(resnet, mode="input", per_channel=True)
+    assert [r._width for r in wrapped.connectivity] == [8, 16]
+    assert wrapped(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+
+
 def _convnext(depths: tuple[int, ...] = (2, 3, 1, 2), conv_mlp: bool = False) -> nn.Module:
     return perturb(
         timm.models.ConvNeXt(depths=depths, dims=(8, 16, 24, 32), num_classes=4, conv_mlp=conv_mlp)

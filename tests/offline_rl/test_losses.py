@@ -4,6 +4,7 @@ likelihood (normalisation, masking, gradients) and candidate subsampling, plus b
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -275,3 +276,9 @@ _SCORES = torch.zeros(1, 3)
 def test_bad_input_raises_input_error_naming_the_argument(call, name: str) -> None:
     with pytest.raises(InputError, match=name):
         call()
+
+
+def test_sample_plackett_luce_takes_numpy_and_tensor_counts() -> None:
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    for k in (np.int64(2), torch.tensor(2)):
+        assert sample_plackett_luce(torch.zeros(1, 3), mask, k).shape == (1, 2)

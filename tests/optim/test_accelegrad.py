@@ -90,6 +90,10 @@ def test_bad_arguments(kwargs: dict[str, float]) -> None:
         AcceleGrad([torch.nn.Parameter(torch.zeros(2))], **{"lr": 1.0, **kwargs})
     with pytest.raises(ValueError, match=name):  # in a group of its own
         AcceleGrad([{"params": [torch.nn.Parameter(torch.zeros(2))], **kwargs}])
+    opt = AcceleGrad([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    with pytest.raises(ValueError, match=name):  # added later: refused, and not kept
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], **kwargs})
+    assert len(opt.param_groups) == 1
 
 
 def test_an_empty_parameter_group_steps_like_torch_optimizers() -> None:
@@ -107,6 +111,11 @@ def test_float16_gradient_norms_do_not_overflow() -> None:
     opt.step()
     assert opt.state[w]["group_sumsq"] == pytest.approx(1000 * 3000.0**2, rel=1e-3)
     assert bool((w < 0).all())  # a step was taken (in float16 the norm was inf: eta = 0)
+    w2 = torch.nn.Parameter(torch.zeros(1000, dtype=torch.float16))
+    opt = AcceleGrad([w2], lr=5e4, proj_radius=1e6)
+    w2.grad = torch.full_like(w2, 3000.0)
+    opt.step()  # z's norm, 1e5, is past float16's range too: z must not be scaled to 0
+    assert opt.state[w2]["z"].float().norm().item() == pytest.approx(1e5, rel=1e-2)
 
 
 def test_state_dict_resume_bitwise() -> None:

@@ -233,6 +233,10 @@ def test_complex_parameters_rejected() -> None:
 def test_float16_parameters_rejected() -> None:
     with pytest.raises(TypeError, match="float16.*bfloat16 works"):
         AcceleGradSharp(nn.Linear(3, 2).half().parameters(), lr=0.1)
+    opt = AcceleGradSharp(nn.Linear(3, 2).parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="float16"):  # added later: refused, and not kept
+        opt.add_param_group({"params": list(nn.Linear(3, 2).half().parameters())})
+    assert len(opt.param_groups) == 1
 
 
 def test_an_empty_parameter_group_steps_like_torch_optimizers() -> None:

@@ -212,12 +212,14 @@ def test_num_unlabelled_enters_abc_as_the_formula_says():
 
 
 def test_num_unlabelled_smaller_than_the_subsample_is_rejected():
-    with pytest.raises(InputError, match=r"num_unlabelled must be an integer >= 6 .*got 5"):
-        semi_supervised_weights(_t(HUMAN), _t(PSEUDO_L), _t(PSEUDO_U), "ppi++", num_unlabelled=5)
-    with pytest.raises(InputError, match=r"num_unlabelled must be an integer >= 6 .*got nan"):
-        semi_supervised_weights(
-            _t(HUMAN), _t(PSEUDO_L), _t(PSEUDO_U), "abc", num_unlabelled=math.nan
-        )
+    for bad in (5, math.nan, math.inf):
+        with pytest.raises(
+            InputError, match=rf"num_unlabelled must be a finite number >= 6 .*{bad}"
+        ):
+            semi_supervised_weights(
+                _t(HUMAN), _t(PSEUDO_L), _t(PSEUDO_U), "abc", num_unlabelled=bad
+            )
+    semi_supervised_weights(_t(HUMAN), _t(PSEUDO_L), _t(PSEUDO_U), "abc", num_unlabelled=1e6)
 
 
 # ------------------------------------------------------------------ ABC's ŵ is optimal
@@ -352,6 +354,8 @@ def test_margin_gradients_rejects_shapes_that_would_broadcast():
         InputError, match=r"\(m,\), \(m,\) and \(m, d\), got \(3,\), \(3,\) and \(3,\)"
     ):
         margin_gradients(torch.zeros(3), torch.ones(3), torch.zeros(3))  # an outer product before
+    with pytest.raises(InputError, match=r"got \(\), \(\) and \(3, 1\)"):
+        margin_gradients(torch.tensor(0.5), torch.tensor(1.0), torch.zeros(3, 1))
     with pytest.raises(InputError, match="margin_grads has 2 rows for 3 margins"):
         margin_gradients(torch.zeros(3), torch.ones(3), torch.zeros(2, 4))
 

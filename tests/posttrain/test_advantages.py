@@ -74,8 +74,11 @@ def test_bad_shapes_and_types():
         grpo_advantages(torch.zeros(2, 4), scale="prompt")
     with pytest.raises(TypeError, match="surprisal must be a floating-point"):
         aem_advantages(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="entropy must have shape \\(2,\\)"):
+    with pytest.raises(ValueError, match="entropy must have one value per prompt \\(2,\\)"):
         predicted_entropy_drift(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(3))
+    a, s = torch.randn(2, 4), torch.randn(2, 4)
+    column = predicted_entropy_drift(a, s, torch.ones(2, 1))  # one per prompt, as a column
+    assert torch.equal(column, predicted_entropy_drift(a, s, torch.ones(2)))
     with pytest.raises(ValueError, match="advantages and surprisal"):
         predicted_entropy_drift(torch.zeros(2, 4), torch.zeros(4), torch.zeros(2))
 
