@@ -63,7 +63,7 @@ from ada_modules.attention.baselines import (
     FlexPrefillPolicy,
     VerticalSlashPolicy,
 )
-from ada_modules.attention.dense_fallback import dense_attention_forward
+from ada_modules.attention.dense_fallback import EAGER_ONLY_FEATURES, dense_attention_forward
 from ada_modules.attention.dispatch import TaskDispatcher
 from ada_modules.attention.plan import SparsePrefillPolicy, plan_density
 from ada_modules.errors import InputError
@@ -268,7 +268,7 @@ def _key_padding_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.
 
 def _unsupported_features(module: nn.Module, kwargs: dict[str, Any]) -> list[str]:
     """What an attention call asks for beyond causal attention with padding (see the module)."""
-    names = ("sliding_window", "softcap", "s_aux")
+    names = ("sliding_window", *EAGER_ONLY_FEATURES)
     features = [name for name in names if kwargs.get(name) is not None]
     if not getattr(module, "is_causal", True):
         features.append("non-causal attention")

@@ -133,8 +133,6 @@ def _out_channels(block: nn.Module) -> int:
     for module in reversed(list(block.modules())):
         if isinstance(module, nn.BatchNorm2d | nn.GroupNorm):
             return int(getattr(module, "num_features", None) or module.num_channels)
-        if isinstance(module, nn.LayerNorm):  # ConvNeXt, Swin: the norms keep the block's width
-            return int(module.normalized_shape[-1])
     raise InputError(f"cannot infer the output channels of {type(block).__name__}")
 
 

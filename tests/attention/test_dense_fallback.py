@@ -9,20 +9,21 @@ import transformers
 import ada_modules.attention  # noqa: F401  (registers "adacal")
 from ada_modules.kv import QUANTIZED_KV_ATTENTION, KIVICache
 
+_TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "layer_types": ["full_attention"] * 2,
+    "sparse_prefill": {"block_size": 16, "min_sparse_length": 32},
+}
+
 
 def _gpt_oss(attn: str) -> transformers.PreTrainedModel:
     config = transformers.GptOssConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=32,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        layer_types=["full_attention"] * 2,
-        sparse_prefill={"block_size": 16, "min_sparse_length": 32},
+        **_TINY, intermediate_size=32, num_local_experts=2, num_experts_per_tok=1
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
@@ -33,18 +34,8 @@ def _gpt_oss(attn: str) -> transformers.PreTrainedModel:
 
 
 def _gemma2(attn: str) -> transformers.PreTrainedModel:
-    config = transformers.Gemma2Config(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        layer_types=["full_attention"] * 2,
-        attn_logit_softcapping=2.0,  # SDPA refuses softcapping
-        sparse_prefill={"block_size": 16, "min_sparse_length": 32},
-    )
+    # SDPA refuses softcapping
+    config = transformers.Gemma2Config(**_TINY, intermediate_size=64, attn_logit_softcapping=2.0)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
