@@ -371,6 +371,13 @@ CASES = [
     ),
     Case(
         "caches",
+        "`ADKVCache(config).mark_padding(mask)` with a pad after a real token (right padding)",
+        _raises(
+            lambda tmp: ADKVCache(_tiny_llama_config()).mark_padding(torch.tensor([[1, 1, 0]]))
+        ),
+    ),
+    Case(
+        "caches",
         "`ADKVEncoder(params).append(x)` with a NaN in `x`",
         _raises(
             lambda tmp: ADKVEncoder(ADKVParams.default(2)).append(

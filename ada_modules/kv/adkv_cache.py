@@ -7,6 +7,13 @@ packed codes, one keyframe per ``keyframe_period`` tokens and per-channel parame
 metadata does not grow with the context beyond the keyframes. :class:`ADKVCache` is a
 transformers ``Cache`` with one such layer per decoder layer.
 
+Left padding: a row's pad tokens would enter its streams like any others, and a run of
+near-constant pads shrinks the step until the first real tokens are coded far too coarsely. Tell
+the cache the prompt's padding (:meth:`ADKVCache.mark_padding`, with the attention mask passed to
+``generate``) and the pads are coded as the row's first real tokens mirrored, so the codec reaches
+the real tokens in the state they need. Pads are masked in attention, so what they hold does not
+change any real token's output.
+
 Attention works as for the KIVI cache: the usual attention functions see the history dequantized
 (prefix sums, :func:`~ada_modules.kernels.adkv_decode.adkv_dequantize`); with
 ``attn_implementation="quantized_kv"`` a decode step runs the fused ADKV decode attention
@@ -57,6 +64,10 @@ class ADKVLayer(QuantizedKVLayer):
         keyframe_period: Tokens between keyframes.
         impl: Kernel implementation (``"auto"``: Triton on CUDA tensors, torch otherwise).
 
+    Attributes:
+        pending_padding: Left-pad tokens per row (``(batch,)``) marked by :meth:`mark_padding`
+            and not yet replaced; ``None`` when there are none.
+
     Examples:
         >>> layer = ADKVLayer(key_params=2, value_params=4, residual_length=16, keyframe_period=32)
         >>> k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
@@ -86,6 +97,7 @@ class ADKVLayer(QuantizedKVLayer):
         self.key_params = key_params
         self.value_params = value_params
         self.keyframe_period = check_keyframe_period(keyframe_period)
+        self.pending_padding: torch.Tensor | None = None
         self._new_encoders()
 
     def __repr__(self) -> str:
@@ -118,6 +130,36 @@ class ADKVLayer(QuantizedKVLayer):
                 ) from None
         super().lazy_initialization(key_states, value_states)
 
+    def mark_padding(self, attention_mask: torch.Tensor) -> None:
+        """Tell the layer which of the coming tokens are left padding (call before the prefill).
+
+        Until every row has shown a real token, the tokens stay in the full-precision window;
+        then each row's pads are replaced by its first real tokens, mirrored about the first one
+        (pad ``P - 1 - j`` takes real token ``j``, folding back and forth when there are more
+        pads than real tokens), and coding starts. The pads stay masked in attention.
+
+        Args:
+            attention_mask: ``(batch, length)`` of 0/1 (or bool), the prompts' mask as passed to
+                ``generate``: zeros then ones in every row, at least one real token per row.
+                When the states come with ``k`` times as many rows (``generate`` repeats each
+                prompt for beams and ``num_return_sequences``), each row is repeated ``k`` times.
+
+        Raises:
+            InputError: If the layer already holds tokens, or the mask is not a left-padding mask.
+
+        Examples:
+            >>> layer = ADKVLayer(4, 4, residual_length=16)
+            >>> layer.mark_padding(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+            >>> layer.pending_padding.tolist()
+            [2, 0]
+        """
+        if self.cumulative_length:
+            raise InputError(
+                f"mark_padding must come before the first update; the layer holds "
+                f"{self.cumulative_length} tokens (reset it for a new batch)"
+            )
+        self.pending_padding = left_padding(attention_mask)
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +171,32 @@ class ADKVLayer(QuantizedKVLayer):
                     f"{name} has {int((~torch.isfinite(states)).sum())} NaN/Inf values; the ADKV "
                     "cache stores only finite states"
                 )
+        pads, batch = self.pending_padding, key_states.shape[0]
+        if pads is not None and pads.shape[0] != batch:
+            if batch % pads.shape[0]:
+                raise InputError(
+                    f"mark_padding was given a mask of {pads.shape[0]} rows; the states have "
+                    f"{batch}, not a multiple (mark the mask of the prompts given to generate)"
+                )
+            # generate repeats each prompt for beams and num_return_sequences
+            self.pending_padding = pads.repeat_interleave(batch // pads.shape[0])
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def _prepare_flush(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Hold the window back while a row has shown only pads; then mirror real tokens onto
+        the pads before the first flush."""
+        pads = self.pending_padding
+        if pads is not None:
+            seen = keys.shape[-2]  # nothing is flushed while pads are pending
+            if bool((pads.to(keys.device) >= seen).any()):
+                return keys, values, 0
+            index = mirrored_padding_index(pads.to(keys.device), seen)
+            index = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+            keys, values = keys.gather(-2, index), values.gather(-2, index)
+            self.pending_padding = None
+        return super()._prepare_flush(keys, values)
 
     def _flush(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append whole blocks to the key and value streams (encoded once, never re-coded)."""
@@ -176,6 +243,8 @@ class ADKVLayer(QuantizedKVLayer):
         )
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.pending_padding is not None:
+            self.pending_padding = fn(self.pending_padding)
         if not self.is_initialized:
             return
         self.key_encoder.map_batch(fn)
@@ -186,8 +255,10 @@ class ADKVLayer(QuantizedKVLayer):
         self.values = fn(self.values)
 
     def reset(self) -> None:
-        """Drop every token; the next update starts afresh (new keyframe 0)."""
+        """Drop every token and any marked padding; the next update starts afresh (new keyframe
+        0)."""
         super().reset()
+        self.pending_padding = None
         self._new_encoders()
 
     def nbytes(self) -> int:
@@ -196,6 +267,54 @@ class ADKVLayer(QuantizedKVLayer):
             return 0
         window = sum(t.numel() * t.element_size() for t in (self.keys, self.values))
         return window + sum(s.nbytes() for s in self.segments)
+
+
+def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """Left-pad tokens per row of a ``(batch, length)`` 0/1 mask (``None`` when there are none).
+
+    Raises:
+        InputError: If the mask is not 2-D 0/1, a row has a real token before a pad, or a row
+            has no real token.
+    """
+    if not torch.is_tensor(attention_mask) or attention_mask.dim() != 2:
+        shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else None
+        raise InputError(
+            f"attention_mask must be a (batch, length) tensor, got "
+            f"{f'shape {shape}' if shape is not None else type(attention_mask).__name__}"
+        )
+    mask = attention_mask.detach().cpu()
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise InputError("attention_mask must hold only 0 and 1 (or bool)")
+    mask = mask.to(torch.int64)
+    ragged = (mask[:, 1:] < mask[:, :-1]).any(1)
+    if bool(ragged.any()):
+        rows = ragged.nonzero().flatten().tolist()
+        raise InputError(
+            f"attention_mask rows {rows[:8]} have a pad after a real token; only left padding "
+            "(zeros, then ones) can be marked"
+        )
+    empty = mask.sum(1) == 0
+    if bool(empty.any()):
+        rows = empty.nonzero().flatten().tolist()
+        raise InputError(f"attention_mask rows {rows[:8]} have no real token")
+    pads = mask.shape[1] - mask.sum(1)
+    return pads if bool(pads.any()) else None
+
+
+def mirrored_padding_index(pads: torch.Tensor, length: int) -> torch.Tensor:
+    """For each row, the source position of every token: pads take the row's real tokens
+    mirrored about the first one (folding back and forth), real tokens themselves.
+
+    Examples:
+        >>> mirrored_padding_index(torch.tensor([0, 2, 5]), 7).tolist()
+        [[0, 1, 2, 3, 4, 5, 6], [3, 2, 2, 3, 4, 5, 6], [5, 5, 6, 6, 5, 5, 6]]
+    """
+    position = torch.arange(length, device=pads.device)
+    pads = pads[:, None]
+    real = length - pads
+    fold = (pads - 1 - position) % (2 * real)  # distance from the first real token, folded
+    mirrored = pads + torch.where(fold < real, fold, 2 * real - 1 - fold)
+    return torch.where(position < pads, mirrored, position)
 
 
 def _params(name: str, value: object) -> ADKVParams:
@@ -271,6 +390,30 @@ class ADKVCache(Cache):
             for k, v in zip(key_params, value_params, strict=True)
         ]
         super().__init__(layers=layers)
+
+    def mark_padding(self, attention_mask: torch.Tensor) -> None:
+        """Tell every layer which prompt tokens are left padding (see
+        :meth:`ADKVLayer.mark_padding`); call before ``generate`` with the same mask.
+
+        Examples:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> config = LlamaConfig(vocab_size=32, hidden_size=64, num_hidden_layers=2,
+            ...                      num_attention_heads=2, num_key_value_heads=1,
+            ...                      intermediate_size=64)
+            >>> model = LlamaForCausalLM(config).eval()
+            >>> ids = torch.randint(1, 32, (2, 40))
+            >>> mask = torch.ones_like(ids)
+            >>> mask[1, :24] = 0  # row 1: 24 pads, then 16 real tokens
+            >>> cache = ADKVCache(config, key_bits=4, value_bits=4, residual_length=16)
+            >>> cache.mark_padding(mask)
+            >>> out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+            ...                      cache=cache, pad_token_id=0)
+            >>> cache.layers[0].history.num_tokens, cache.layers[0].pending_padding
+            (32, None)
+        """
+        left_padding(attention_mask)  # refuse a bad mask before any layer changes
+        for layer in self.layers:
+            layer.mark_padding(attention_mask)
 
     def nbytes(self) -> int:
         """Exact bytes held by all layers (codes, keyframes, parameters, residual windows)."""

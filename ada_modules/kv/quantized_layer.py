@@ -277,13 +277,20 @@ class QuantizedKVLayer(CacheLayerMixin):
         else:
             keys_out, values_out = window_keys, window_values
         self.cumulative_length += key_states.shape[-2]
-        n_flush = window_keys.shape[-2] // self.residual_length * self.residual_length
+        window_keys, window_values, n_flush = self._prepare_flush(window_keys, window_values)
         if n_flush:
             self._flush(window_keys[..., :n_flush, :], window_values[..., :n_flush, :])
             window_keys = window_keys[..., n_flush:, :].clone()
             window_values = window_values[..., n_flush:, :].clone()
         self.keys, self.values = window_keys, window_values
         return keys_out, values_out
+
+    def _prepare_flush(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The window to keep or flush, and how many of its leading tokens to flush (whole
+        blocks of ``residual_length``); a subclass may rewrite the window or hold it back."""
+        return keys, values, keys.shape[-2] // self.residual_length * self.residual_length
 
     def attend(
         self,

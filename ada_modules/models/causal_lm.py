@@ -146,6 +146,8 @@ class CausalLMModule(LightningModule):
             before the output head stays), e.g. to study depth without normalisation.
         cache_factory: Called as ``cache_factory(config=model.config)`` to make a fresh
             ``transformers.Cache`` for each ``generate`` call; ``None`` lets ``generate`` choose.
+            A cache with a ``mark_padding`` method (e.g. :class:`~ada_modules.kv.ADKVCache`) is
+            given the prompts' attention mask first.
         optimizer: Builds the optimizer from parameter groups.
         param_groups: ``"weight_decay"``: two groups, with weight decay disabled for parameters
             with fewer than two dimensions (norms and biases). ``"geometry"``: one group per
@@ -343,6 +345,8 @@ class CausalLMModule(LightningModule):
         kwargs: dict[str, Any] = {}
         if self.cache_factory is not None:
             kwargs["cache"] = self.cache_factory(config=self.model.config)
+            if hasattr(kwargs["cache"], "mark_padding"):
+                kwargs["cache"].mark_padding(prompt_mask)
         if is_sharded(self.model) and world_size() > 1:
             # Sharded: every rank must run the same number of forward passes.
             kwargs["synced_gpus"] = True

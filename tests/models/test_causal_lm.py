@@ -7,6 +7,7 @@ from jsonargparse import ArgumentParser
 from transformers import DynamicCache, LlamaForCausalLM, Qwen2ForCausalLM
 
 from ada_modules.data import CharTokenizer, RecallDataModule
+from ada_modules.kv import ADKVCache
 from ada_modules.models import CausalLMModule
 from ada_modules.models.causal_lm import Generation
 from ada_modules.optim.lr_schedulers import WarmupCosineLR
@@ -196,6 +197,22 @@ def test_chunked_prefill_through_generation_kwargs_gives_the_same_greedy_complet
     assert got.cache.get_seq_length() == expected.cache.get_seq_length()
     with pytest.raises(ValueError, match="max_new_tokens"):
         CausalLMModule(**TINY, generation_kwargs={"max_new_tokens": 3})
+
+
+def test_a_cache_that_takes_the_padding_is_given_the_prompt_mask(datamodule):
+    marked = []
+
+    class RecordingCache(ADKVCache):
+        def mark_padding(self, attention_mask):
+            marked.append(attention_mask.clone())
+            super().mark_padding(attention_mask)
+
+    module = CausalLMModule(**TINY, cache_factory=partial(RecordingCache, key_bits=8))
+    ids = next(iter(datamodule.test_dataloader()))["prompt_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # the first prompt left-padded
+    module.generate(ids, mask)
+    assert len(marked) == 1 and torch.equal(marked[0], mask)
 
 
 def test_cache_factory_is_called_for_every_generate(datamodule):
