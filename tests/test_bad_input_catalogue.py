@@ -45,7 +45,7 @@ from ada_modules.kv import (
     ADKVParams,
     KIVICache,
 )
-from ada_modules.merging import ActivationStats, amaris
+from ada_modules.merging import ActivationStats, amaris, task_arithmetic
 from ada_modules.models import ADKVCalibrationModule, CausalLMModule, SelfDistillationModule
 from ada_modules.models.autoencoder import load_autoencoder
 from ada_modules.models.causal_lm import build_causal_lm
@@ -239,6 +239,14 @@ def _twice() -> None:
 
 
 TINY_LM = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2}
+
+
+def _tied_and_untied():
+    """A state dict whose head is its embedding, and one where the two keys differ."""
+    shared = torch.zeros(6, 4)
+    return {"embed.weight": shared, "head.weight": shared}, [
+        {"embed.weight": torch.zeros(6, 4), "head.weight": torch.ones(6, 4)}
+    ]
 
 
 def _fc(out: int = 3, inputs: int = 4) -> dict[str, torch.Tensor]:
@@ -556,6 +564,12 @@ CASES = [
         _raises(
             lambda tmp: amaris(_fc(), [_fc(4, 5)], [_stats(torch.eye(5))], _stats(torch.eye(5)))
         ),
+    ),
+    Case(
+        "merging",
+        "`task_arithmetic(base, [tuned])` with a base whose `head.weight` is its `embed.weight` "
+        "(tied) and a `tuned` model where they differ",
+        _raises(lambda tmp: task_arithmetic(*_tied_and_untied())),
     ),
     Case(
         "merging",

@@ -4,7 +4,8 @@ Parameter-space merges (:func:`task_arithmetic`, :func:`ties`, :func:`dare`) nee
 dicts; :func:`regmean` and :func:`amaris` also need activation statistics of the linear layers'
 inputs (:func:`collect_activation_stats`), and :func:`fisher_merge` a diagonal Fisher
 (:func:`collect_fisher`). All take and return ``Mapping[str, Tensor]`` state dicts and never modify
-their inputs.
+their inputs. Tied weights (one tensor under several keys, e.g. an embedding and the output head)
+are merged once, under their first key, and every key of the tie gets the one merged tensor.
 
 Examples:
     >>> import torch

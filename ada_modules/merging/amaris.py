@@ -76,8 +76,7 @@ from ada_modules.merging.state_dicts import (
     linear_layers,
     retie,
     set_augmented_weight,
-    tied_keys,
-    untie,
+    untie_members,
 )
 from ada_modules.merging.stats import ActivationStats, check_stats, check_stats_fit
 
@@ -369,8 +368,7 @@ def amaris(
         check_stats_fit(base, stats, f"specialist {index}'s")
     # Tied weights are one tensor under several keys: merge it once, under its first key (a layer
     # whose weight is a later key is not gated), then share the result.
-    tied = tied_keys(base)
-    base, specialists = untie(base, tied), [untie(tuned, tied) for tuned in specialists]
+    tied, base, specialists = untie_members(base, specialists)
     layers = _layers_with_stats(base, specialist_stats, base_stats)
 
     if other == "task_arithmetic":

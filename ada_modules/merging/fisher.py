@@ -27,7 +27,14 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ada_modules.errors import InputError
-from ada_modules.merging.state_dicts import check_compatible, check_weights, is_mergeable
+from ada_modules.merging.state_dicts import (
+    check_compatible,
+    check_weights,
+    is_mergeable,
+    retie,
+    untie,
+    untie_members,
+)
 
 __all__ = ["fisher_merge"]
 
@@ -79,6 +86,15 @@ def fisher_merge(
         fishers: Per member, diagonal Fisher values for (some of) its floating tensors.
         weights: Non-negative weight per member (default 1), not all 0.
         eps: Floor added to every Fisher value, >= 0.
+
+    Tied weights (one tensor under several keys of the first member, e.g. a language model's
+    embedding and output head) are merged once, under their first key (with the Fisher values of
+    that key; ``collect_fisher`` names a tied parameter by its first key too), and every key of
+    the tie gets the one merged tensor.
+
+    Raises:
+        InputError: Incompatible members or Fisher dicts, bad weights or ``eps``, or a member not
+            tied as the first one is.
     """
     if isinstance(members, Mapping) or not isinstance(members, Sequence) or not members:
         raise InputError("members must be a non-empty list of state dicts")
@@ -90,6 +106,10 @@ def fisher_merge(
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
         raise InputError(f"eps must be a number >= 0, got {eps!r}")
     _check_fishers(members, fishers)
+    names = list(range(1, len(members)))
+    tied, first, others = untie_members(members[0], members[1:], names=names, role="member")
+    members = [first, *others]
+    fishers = [untie(fisher, tied) for fisher in fishers]
     merged = {}
     for name, tensor in members[0].items():
         if not is_mergeable(tensor):
@@ -104,4 +124,4 @@ def fisher_merge(
             scales = [torch.full_like(values[0], w) for w in weights]
         numerator = sum(s * v for s, v in zip(scales, values, strict=True))
         merged[name] = (numerator / sum(scales)).to(tensor.dtype)
-    return merged
+    return retie(merged, tied)

@@ -38,6 +38,8 @@ from ada_modules.merging.state_dicts import (
     check_weights,
     compute_dtype,
     is_mergeable,
+    retie,
+    untie_members,
 )
 
 __all__ = ["dare", "task_arithmetic", "ties"]
@@ -57,9 +59,11 @@ def _apply(
     weights: Sequence[float] | None,
     combine: Callable[[list[torch.Tensor], list[float]], torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    """``θ_0 + combine(task vectors of one tensor, weights)`` for every floating tensor."""
+    """``θ_0 + combine(task vectors of one tensor, weights)`` for every floating tensor (a tied
+    tensor once, under its first key)."""
     check_compatible(base, specialists)
     weights = check_weights(weights, len(specialists))
+    tied, base, specialists = untie_members(base, specialists)
     merged = {}
     for name, tensor in base.items():
         if not is_mergeable(tensor):
@@ -69,7 +73,7 @@ def _apply(
         start = tensor.to(dtype)
         deltas = [s[name].to(dtype) - start for s in specialists]
         merged[name] = (start + combine(deltas, weights)).to(tensor.dtype)
-    return merged
+    return retie(merged, tied)
 
 
 def _weighted_sum(

@@ -14,7 +14,7 @@ from ada_modules.merging.amaris import amaris
 from ada_modules.merging.fisher import fisher_merge
 from ada_modules.merging.parameter_space import dare, task_arithmetic, ties
 from ada_modules.merging.regmean import regmean
-from ada_modules.merging.state_dicts import retie, tied_keys, untie
+from ada_modules.merging.state_dicts import retie, untie, untie_members
 from ada_modules.merging.stats import ActivationStats
 
 __all__ = ["METHODS", "MergeRecipe", "ModelEntry", "merge"]
@@ -194,7 +194,7 @@ def merge(
         raise InputError(
             f"{len(recipe.models)} models in the recipe but {len(specialists)} state dicts given"
         )
-    tied = tied_keys(base)
+    tied, untied_base, untied_specialists = untie_members(base, specialists)
     if not tied:
         return _merge(recipe, base, specialists, base_stats, specialist_stats, generator)
 
@@ -207,8 +207,8 @@ def merge(
 
     merged, report = _merge(
         recipe,
-        untie(base, tied),
-        [untie(s, tied) for s in specialists],
+        untied_base,
+        untied_specialists,
         layers(base_stats),
         None if specialist_stats is None else [layers(s) for s in specialist_stats],
         generator,

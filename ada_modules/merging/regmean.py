@@ -39,7 +39,10 @@ from ada_modules.merging.state_dicts import (
     compute_dtype,
     is_mergeable,
     linear_layers,
+    retie,
     set_augmented_weight,
+    untie,
+    untie_members,
 )
 from ada_modules.merging.stats import ActivationStats, check_stats, check_stats_fit
 
@@ -72,9 +75,15 @@ def regmean(
         alpha: Scale of the Gram matrices' off-diagonal entries, in ``[0, 1]``.
         ridge: Adds ``ridge · mean(diag) · I`` to the summed Gram matrix.
 
+    Tied weights (one tensor under several keys of ``base``, e.g. a language model's embedding
+    and output head) are merged once, under their first key, as :func:`~.recipe.merge` does:
+    the statistics of a layer whose weight is a later key are not used, and every key of the tie
+    gets the one merged tensor.
+
     Raises:
         InputError: Incompatible state dicts, statistics that do not fit a layer or are not
-            PSD, or a singular summed Gram matrix (naming the layer).
+            PSD, a singular summed Gram matrix (naming the layer), or a member not tied as the
+            base is.
     """
     check_compatible(base, members, role="member")
     if not members:
@@ -90,6 +99,8 @@ def regmean(
     for index, stats in enumerate(member_stats):
         check_stats(stats, ridge, count=False)
         check_stats_fit(base, stats, f"member {index}'s")
+    tied, base, members = untie_members(base, members, role="member")
+    member_stats = [untie(stats, tied, layers=True) for stats in member_stats]
 
     merged = {}
     for name, tensor in base.items():
@@ -128,4 +139,4 @@ def regmean(
         rhs = sum(g @ w.T for g, w in zip(grams, weights, strict=True))
         solution = torch.cholesky_solve(rhs, factor)
         set_augmented_weight(merged, base, layer, solution.T)
-    return merged
+    return retie(merged, tied)

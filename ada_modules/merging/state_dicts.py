@@ -38,6 +38,7 @@ __all__ = [
     "task_vectors",
     "tied_keys",
     "untie",
+    "untie_members",
 ]
 
 StateDict = Mapping[str, torch.Tensor]
@@ -257,6 +258,42 @@ def untie(
     if layers:
         return {layer: value for layer, value in state.items() if key(layer, "weight") not in tied}
     return {name: value for name, value in state.items() if name not in tied}
+
+
+def untie_members(
+    base: StateDict,
+    members: Sequence[StateDict],
+    names: Sequence[str | int] | None = None,
+    *,
+    role: str = "specialist",
+) -> tuple[dict[str, str], dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """The ties of ``base`` (:func:`tied_keys`), and ``base`` and ``members`` without their later
+    keys, so that a merge treats each tied tensor once (then :func:`retie` shares the result).
+    ``names`` and ``role`` name the members in messages, as for :func:`check_compatible`.
+
+    Raises:
+        InputError: If a member holds different tensors under the keys of one of the base's ties
+            (it was trained untied; merged into the tied base, one of them would be lost).
+
+    Examples:
+        >>> shared = torch.zeros(2)
+        >>> model = {"e": shared, "h": shared}
+        >>> tied, base, members = untie_members(model, [model])
+        >>> tied, list(base), [list(m) for m in members]
+        ({'h': 'e'}, ['e'], [['e']])
+    """
+    tied = tied_keys(base)
+    for index, member in enumerate(members):
+        for later, first in tied.items():
+            a, b = member.get(later), member.get(first)
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is not b:
+                if a.shape != b.shape or not torch.equal(a, b):
+                    raise InputError(
+                        f"{_describe(role, index if names is None else names[index])}: keys {later!r} and {first!r} hold different "
+                        "tensors, but the base ties them (one tensor); merge models that are tied "
+                        "alike"
+                    )
+    return tied, untie(base, tied), [untie(member, tied) for member in members]
 
 
 def retie(merged: dict[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, torch.Tensor]:

@@ -21,7 +21,6 @@ from ada_modules.merging import (
     select_directions,
     task_arithmetic,
 )
-from ada_modules.merging.recipe import MergeRecipe, merge
 
 
 def _random_spd(rng: np.random.Generator, d: int, rank: int | None = None) -> np.ndarray:
@@ -380,46 +379,6 @@ def test_other_tensors_follow_the_other_option():
     for name in ("norm.weight", "2.weight", "2.bias", "steps"):
         assert torch.equal(merged[name], arithmetic[name]), name
     assert merged["0.weight"].dtype == torch.float64 and merged["steps"].item() == 5
-
-
-class _TiedLM(nn.Module):
-    """A token embedding, one hidden layer and an output head that is the embedding."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(12, 4)
-        self.hidden = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 12, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.hidden(self.embed(ids))))
-
-
-@pytest.mark.parametrize("other", ["base", "task_arithmetic"])
-def test_amaris_merges_tied_weights_once_as_the_recipe_does(other):
-    g = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    base_model, tuned_model = _TiedLM().double(), _TiedLM().double()
-    tuned_model.load_state_dict(base_model.state_dict())
-    with torch.no_grad():
-        for p in tuned_model.parameters():  # the tied tensor once
-            p.add_(0.5 * torch.randn(p.shape, generator=g, dtype=torch.float64))
-    base_stats = collect_activation_stats(base_model, [torch.randint(0, 12, (128,), generator=g)])
-    tuned_stats = collect_activation_stats(tuned_model, [torch.randint(6, 12, (128,), generator=g)])
-    assert set(base_stats) == {"hidden", "head"}
-    base, tuned = base_model.state_dict(), tuned_model.state_dict()
-
-    merged, report = amaris(base, [tuned], [tuned_stats], base_stats, budget=0.05, other=other)
-    recipe = MergeRecipe.build("amaris", [{"model": "s", "domain": "d"}], {"other": other})
-    expected, recipe_report = merge(recipe, base, [tuned], base_stats, [tuned_stats])
-    assert report["tied"] == recipe_report["tied"] == {"head.weight": "embed.weight"}
-    assert list(report["layers"]) == list(recipe_report["layers"]) == ["hidden"]
-    assert merged["head.weight"] is merged["embed.weight"]
-    for name in base:
-        assert torch.equal(merged[name], expected[name]), name
-    if other == "base":
-        assert torch.equal(merged["embed.weight"], base["embed.weight"])
 
 
 def test_amaris_bad_input():
