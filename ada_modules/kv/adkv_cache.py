@@ -10,9 +10,9 @@ transformers ``Cache`` with one such layer per decoder layer.
 Left padding: a row's pad tokens would enter its streams like any others, and a run of
 near-constant pads shrinks the step until the first real tokens are coded far too coarsely. Tell
 the cache the prompt's padding (:meth:`ADKVCache.mark_padding`, with the attention mask passed to
-``generate``) and the pads are coded as the row's first real tokens mirrored, so the codec reaches
-the real tokens in the state they need. Pads are masked in attention, so what they hold does not
-change any real token's output.
+``generate``) and the pads are coded as real tokens of the same positions from the row with the
+fewest pads, so the codec reaches each row's first real token in a state real data leaves it in.
+Pads are masked in attention, so what they hold does not change any real token's output.
 
 Attention works as for the KIVI cache: the usual attention functions see the history dequantized
 (prefix sums, :func:`~ada_modules.kernels.adkv_decode.adkv_dequantize`); with
@@ -65,8 +65,8 @@ class ADKVLayer(QuantizedKVLayer):
         impl: Kernel implementation (``"auto"``: Triton on CUDA tensors, torch otherwise).
 
     Attributes:
-        pending_padding: Left-pad tokens per row (``(batch,)``) marked by :meth:`mark_padding`
-            and not yet replaced; ``None`` when there are none.
+        pending_padding: Left-pad tokens per prompt (``(prompts,)``) marked by
+            :meth:`mark_padding` and not all replaced yet; ``None`` when there are none.
 
     Examples:
         >>> layer = ADKVLayer(key_params=2, value_params=4, residual_length=16, keyframe_period=32)
@@ -98,6 +98,8 @@ class ADKVLayer(QuantizedKVLayer):
         self.value_params = value_params
         self.keyframe_period = check_keyframe_period(keyframe_period)
         self.pending_padding: torch.Tensor | None = None
+        self._prompt_length = 0
+        self._donor_filled = False
         self._new_encoders()
 
     def __repr__(self) -> str:
@@ -133,10 +135,12 @@ class ADKVLayer(QuantizedKVLayer):
     def mark_padding(self, attention_mask: torch.Tensor) -> None:
         """Tell the layer which of the coming tokens are left padding (call before the prefill).
 
-        Until every row has shown a real token, the tokens stay in the full-precision window;
-        then each row's pads are replaced by its first real tokens, mirrored about the first one
-        (pad ``P - 1 - j`` takes real token ``j``, folding back and forth when there are more
-        pads than real tokens), and coding starts. The pads stay masked in attention.
+        The *donor* is the row with the fewest pads (the longest prompt). The tokens stay in the
+        full-precision window until the donor has shown ``min(its real tokens, residual_length)``
+        real tokens; then the donor's pads are replaced by its first real tokens, mirrored about
+        the first one (pad ``P - 1 - j`` takes real token ``j``, folding back and forth when
+        there are more pads than real tokens), and every other row's pads by the donor's tokens
+        at the same positions, as they arrive. The pads stay masked in attention.
 
         Args:
             attention_mask: ``(batch, length)`` of 0/1 (or bool), the prompts' mask as passed to
@@ -153,12 +157,18 @@ class ADKVLayer(QuantizedKVLayer):
             >>> layer.pending_padding.tolist()
             [2, 0]
         """
+        self._check_empty()
+        self._set_padding(left_padding(attention_mask), attention_mask.shape[-1])
+
+    def _check_empty(self) -> None:
         if self.cumulative_length:
             raise InputError(
                 f"mark_padding must come before the first update; the layer holds "
                 f"{self.cumulative_length} tokens (reset it for a new batch)"
             )
-        self.pending_padding = left_padding(attention_mask)
+
+    def _set_padding(self, pads: torch.Tensor | None, prompt_length: int) -> None:
+        self.pending_padding, self._prompt_length, self._donor_filled = pads, prompt_length, False
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -172,29 +182,38 @@ class ADKVLayer(QuantizedKVLayer):
                     "cache stores only finite states"
                 )
         pads, batch = self.pending_padding, key_states.shape[0]
-        if pads is not None and pads.shape[0] != batch:
-            if batch % pads.shape[0]:
-                raise InputError(
-                    f"mark_padding was given a mask of {pads.shape[0]} rows; the states have "
-                    f"{batch}, not a multiple (mark the mask of the prompts given to generate)"
-                )
-            # generate repeats each prompt for beams and num_return_sequences
-            self.pending_padding = pads.repeat_interleave(batch // pads.shape[0])
+        if pads is not None and batch % pads.shape[0]:
+            raise InputError(
+                f"mark_padding was given a mask of {pads.shape[0]} rows; the states have {batch}, "
+                "not a multiple (mark the mask of the prompts given to generate)"
+            )
         return super().update(key_states, value_states, *args, **kwargs)
 
     def _prepare_flush(
         self, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Hold the window back while a row has shown only pads; then mirror real tokens onto
-        the pads before the first flush."""
-        pads = self.pending_padding
-        if pads is not None:
-            seen = keys.shape[-2]  # nothing is flushed while pads are pending
-            if bool((pads.to(keys.device) >= seen).any()):
+        """Hold the window back until the donor row has shown enough real tokens; then replace
+        the pads in the window (see :meth:`mark_padding`)."""
+        if self.pending_padding is None:
+            return super()._prepare_flush(keys, values)
+        pads = _per_row(self.pending_padding, keys.shape[0]).to(keys.device)
+        seen, donor = self.cumulative_length, int(pads.argmin())
+        donor_pads = int(pads[donor])
+        if not self._donor_filled:  # nothing is flushed before: the window starts at token 0
+            needed = min(self._prompt_length - donor_pads, self.residual_length)
+            if seen - donor_pads < needed:
                 return keys, values, 0
-            index = mirrored_padding_index(pads.to(keys.device), seen)
+            only_donor = torch.zeros_like(pads)
+            only_donor[donor] = donor_pads
+            index = mirrored_padding_index(only_donor, seen)
             index = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
             keys, values = keys.gather(-2, index), values.gather(-2, index)
+            self._donor_filled = True
+        position = torch.arange(seen - keys.shape[-2], seen, device=keys.device)
+        is_pad = (position < pads[:, None])[:, None, :, None]
+        keys = torch.where(is_pad, keys[donor : donor + 1], keys)
+        values = torch.where(is_pad, values[donor : donor + 1], values)
+        if seen >= int(pads.max()):
             self.pending_padding = None
         return super()._prepare_flush(keys, values)
 
@@ -244,7 +263,10 @@ class ADKVLayer(QuantizedKVLayer):
 
     def _map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         if self.pending_padding is not None:
-            self.pending_padding = fn(self.pending_padding)
+            pads = self.pending_padding
+            if self.is_initialized:
+                pads = _per_row(pads, self.keys.shape[0])
+            self.pending_padding = fn(pads)
         if not self.is_initialized:
             return
         self.key_encoder.map_batch(fn)
@@ -258,7 +280,7 @@ class ADKVLayer(QuantizedKVLayer):
         """Drop every token and any marked padding; the next update starts afresh (new keyframe
         0)."""
         super().reset()
-        self.pending_padding = None
+        self._set_padding(None, 0)
         self._new_encoders()
 
     def nbytes(self) -> int:
@@ -299,6 +321,11 @@ def left_padding(attention_mask: torch.Tensor) -> torch.Tensor | None:
         raise InputError(f"attention_mask rows {rows[:8]} have no real token")
     pads = mask.shape[1] - mask.sum(1)
     return pads if bool(pads.any()) else None
+
+
+def _per_row(pads: torch.Tensor, batch: int) -> torch.Tensor:
+    """Pads per prompt repeated for ``batch`` rows, as ``generate`` repeats the prompts."""
+    return pads if pads.shape[0] == batch else pads.repeat_interleave(batch // pads.shape[0])
 
 
 def mirrored_padding_index(pads: torch.Tensor, length: int) -> torch.Tensor:
@@ -411,9 +438,11 @@ class ADKVCache(Cache):
             >>> cache.layers[0].history.num_tokens, cache.layers[0].pending_padding
             (32, None)
         """
-        left_padding(attention_mask)  # refuse a bad mask before any layer changes
         for layer in self.layers:
-            layer.mark_padding(attention_mask)
+            layer._check_empty()
+        pads = left_padding(attention_mask)  # once for all layers, before any changes
+        for layer in self.layers:
+            layer._set_padding(pads, attention_mask.shape[-1])
 
     def nbytes(self) -> int:
         """Exact bytes held by all layers (codes, keyframes, parameters, residual windows)."""

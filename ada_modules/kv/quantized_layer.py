@@ -256,13 +256,13 @@ class QuantizedKVLayer(CacheLayerMixin):
             :class:`LazyDequantizedStates`: the history is dequantized when an operation first
             reads them, and :func:`quantized_kv_attention` reads the packed codes instead.
         """
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         if key_states.shape != value_states.shape:
             raise InputError(
                 f"key_states and value_states must have one shape, got {tuple(key_states.shape)} "
                 f"and {tuple(value_states.shape)}"
             )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         if self.cumulative_length and key_states.shape[0] != self.keys.shape[0]:
             raise InputError(
                 f"the cache holds batch size {self.keys.shape[0]}, got states of batch size "
