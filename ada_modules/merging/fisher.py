@@ -89,8 +89,8 @@ def fisher_merge(
 
     Tied weights (one tensor under several keys of the first member, e.g. a language model's
     embedding and output head) are merged once, under their first key (with the Fisher values of
-    that key; ``collect_fisher`` names a tied parameter by its first key too), and every key of
-    the tie gets the one merged tensor.
+    that key, as ``collect_fisher`` names a tied parameter, or else of the later key), and every
+    key of the tie gets the one merged tensor.
 
     Raises:
         InputError: Incompatible members or Fisher dicts, bad weights or ``eps``, or a member not
@@ -109,7 +109,14 @@ def fisher_merge(
     names = list(range(1, len(members)))
     tied, first, others = untie_members(members[0], members[1:], names=names, role="member")
     members = [first, *others]
-    fishers = [untie(fisher, tied) for fisher in fishers]
+    # a tie's Fisher values under its later key only (not as collect_fisher names it) still count
+    fishers = [
+        {
+            **{first: f[later] for later, first in tied.items() if later in f and first not in f},
+            **untie(f, tied),
+        }
+        for f in fishers
+    ]
     merged = {}
     for name, tensor in members[0].items():
         if not is_mergeable(tensor):

@@ -266,7 +266,7 @@ def untie_members(
     names: Sequence[str | int] | None = None,
     *,
     role: str = "specialist",
-) -> tuple[dict[str, str], dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+) -> tuple[dict[str, str], dict[str, torch.Tensor], Sequence[StateDict]]:
     """The ties of ``base`` (:func:`tied_keys`), and ``base`` and ``members`` without their later
     keys, so that a merge treats each tied tensor once (then :func:`retie` shares the result).
     ``names`` and ``role`` name the members in messages, as for :func:`check_compatible`.
@@ -283,17 +283,30 @@ def untie_members(
         ({'h': 'e'}, ['e'], [['e']])
     """
     tied = tied_keys(base)
+    if not tied or isinstance(members, Mapping) or not isinstance(members, Sequence):
+        return tied, dict(base), members  # not a list of state dicts: check_compatible names it
     for index, member in enumerate(members):
+        if not isinstance(member, Mapping):
+            continue  # check_compatible names it
         for later, first in tied.items():
             a, b = member.get(later), member.get(first)
-            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is not b:
-                if a.shape != b.shape or not torch.equal(a, b):
-                    raise InputError(
-                        f"{_describe(role, index if names is None else names[index])}: keys {later!r} and {first!r} hold different "
-                        "tensors, but the base ties them (one tensor); merge models that are tied "
-                        "alike"
-                    )
-    return tied, untie(base, tied), [untie(member, tied) for member in members]
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not _same(a, b):
+                who = _describe(role, index if names is None else names[index])
+                raise InputError(
+                    f"{who}: keys {later!r} and {first!r} hold different tensors, but the base "
+                    "ties them (one tensor); merge models that are tied alike"
+                )
+    untied = [untie(member, tied) if isinstance(member, Mapping) else member for member in members]
+    return tied, untie(base, tied), untied
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values (NaN equal to NaN)."""
+    if a is b:
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all())
 
 
 def retie(merged: dict[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, torch.Tensor]:

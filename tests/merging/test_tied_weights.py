@@ -128,3 +128,33 @@ def test_a_member_tied_differently_is_refused_by_name(models, method):
             amaris(base, [untied], [stats[1]], stats[0])
         else:
             _direct(method, base, untied, stats, None)
+
+
+def test_fisher_values_under_the_later_key_of_a_tie_count_as_under_the_first(models):
+    base, tuned = models["base"], models["tuned"]
+    by_later = [
+        {("head.weight" if k == "embed.weight" else k): v for k, v in f.items()}
+        for f in models["fisher"]
+    ]
+    expected = fisher_merge([base, tuned], list(models["fisher"]))
+    merged = fisher_merge([base, tuned], by_later)
+    for name in base:
+        assert torch.equal(merged[name], expected[name]), name
+
+
+def test_equal_copies_of_a_tie_are_accepted_nan_included(models):
+    base = models["base"]
+    copies = {**base, "head.weight": base["embed.weight"].clone()}
+    copies["head.weight"][0, 0] = copies["embed.weight"][0, 0] = float("nan")
+    merged = task_arithmetic(base, [copies])
+    assert merged["head.weight"] is merged["embed.weight"]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_recipe_names_specialists_that_are_not_state_dicts(models, tied):
+    base = models["base"] if tied else {k: v.clone() for k, v in models["base"].items()}
+    recipe = MergeRecipe.build("task_arithmetic", [{"model": "s", "domain": "d"}])
+    with pytest.raises(InputError, match="specialist 0 must be a state dict, got list"):
+        merge(recipe, base, [[1, 2]])
+    with pytest.raises(InputError, match="specialists must be a list of state dicts, got dict"):
+        merge(recipe, base, {"s": models["tuned"]})
