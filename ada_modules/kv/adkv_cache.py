@@ -34,7 +34,10 @@ from ada_modules.kv.adkv import ADKVEncoder, ADKVParams, check_keyframe_period, 
 from ada_modules.kv.kivi import full_attention_layers, per_layer_bits
 from ada_modules.kv.quantized_layer import QuantizedKVLayer
 
-__all__ = ["ADKVCache", "ADKVLayer", "ADKVSegment"]
+__all__ = ["MIN_MIRRORED", "ADKVCache", "ADKVLayer", "ADKVSegment"]
+
+MIN_MIRRORED = 16
+"""Fewest real tokens a padded donor row mirrors onto its pads (fewer only if it has fewer)."""
 
 
 class ADKVSegment(NamedTuple):
@@ -65,8 +68,9 @@ class ADKVLayer(QuantizedKVLayer):
         impl: Kernel implementation (``"auto"``: Triton on CUDA tensors, torch otherwise).
 
     Attributes:
-        pending_padding: Left-pad tokens per prompt (``(prompts,)``) marked by
-            :meth:`mark_padding` and not all replaced yet; ``None`` when there are none.
+        pending_padding: Left-pad tokens per prompt (``(prompts,)``; per row once the layer
+            holds states) marked by :meth:`mark_padding` and not all replaced yet; ``None`` when
+            there are none.
 
     Examples:
         >>> layer = ADKVLayer(key_params=2, value_params=4, residual_length=16, keyframe_period=32)
@@ -135,10 +139,10 @@ class ADKVLayer(QuantizedKVLayer):
     def mark_padding(self, attention_mask: torch.Tensor) -> None:
         """Tell the layer which of the coming tokens are left padding (call before the prefill).
 
-        The *donor* is the row with the fewest pads (the longest prompt). The tokens stay in the
-        full-precision window until the donor has shown ``min(its real tokens, residual_length)``
-        real tokens; then the donor's pads are replaced by its first real tokens, mirrored about
-        the first one (pad ``P - 1 - j`` takes real token ``j``, folding back and forth when
+        The *donor* is the row with the fewest pads (the longest prompt). If it has pads, the
+        tokens stay in the full-precision window until it has shown ``max(residual_length,
+        MIN_MIRRORED)`` real tokens (or all it has); then its pads are replaced by its first real
+        tokens, mirrored about the first one (pad ``P - 1 - j`` takes real token ``j``, folding back and forth when
         there are more pads than real tokens), and every other row's pads by the donor's tokens
         at the same positions, as they arrive. The pads stay masked in attention.
 
@@ -200,8 +204,9 @@ class ADKVLayer(QuantizedKVLayer):
         seen, donor = self.cumulative_length, int(pads.argmin())
         donor_pads = int(pads[donor])
         if not self._donor_filled:  # nothing is flushed before: the window starts at token 0
-            needed = min(self._prompt_length - donor_pads, self.residual_length)
-            if seen - donor_pads < needed:
+            # a padded donor mirrors at least MIN_MIRRORED real tokens (all it has, if fewer)
+            block = max(self.residual_length, MIN_MIRRORED) if donor_pads else 0
+            if seen - donor_pads < min(self._prompt_length - donor_pads, block):
                 return keys, values, 0
             only_donor = torch.zeros_like(pads)
             only_donor[donor] = donor_pads

@@ -216,6 +216,16 @@ def set_augmented_weight(
         target[bias_key] = value[:, weight.shape[1]].to(reference[bias_key].dtype).contiguous()
 
 
+def _storage(tensor: torch.Tensor) -> tuple:
+    """Where a tensor's values live: equal for views of the same memory with the same layout."""
+    return (
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
+
+
 def tied_keys(state_dict: StateDict) -> dict[str, str]:
     """Keys whose tensor is the same tensor as an earlier key's (tied weights, e.g. a language
     model's ``lm_head.weight`` and ``model.embed_tokens.weight``): ``{later: first}``.
@@ -230,12 +240,7 @@ def tied_keys(state_dict: StateDict) -> dict[str, str]:
     for name, tensor in state_dict.items():
         if tensor.device.type == "meta" or tensor.numel() == 0:
             continue
-        identity = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tuple(tensor.stride()),
-        )
+        identity = _storage(tensor)
         if identity in first:
             tied[name] = first[identity]
         else:
@@ -302,10 +307,10 @@ def untie_members(
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors hold the same values (NaN equal to NaN)."""
-    if a is b:
-        return True
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if _storage(a) == _storage(b):  # one tensor under two keys (state_dict() makes new objects)
+        return True
     return bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all())
 
 

@@ -240,18 +240,23 @@ def test_pads_take_the_longest_prompts_tokens_at_the_same_positions():
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=["llama", "qwen2"])
-@pytest.mark.parametrize(("pads", "chunk"), [(40, 64), (40, 16), (40, 41), (63, 64)], ids=str)
-def test_marked_padding_brings_a_padded_rows_logits_back(arch, pads, chunk):
+@pytest.mark.parametrize(
+    ("pads", "chunk", "residual"),
+    [((0, 40), 64, 16), ((0, 40), 16, 16), ((0, 40), 41, 16), ((0, 63), 64, 16), ((30, 40), 1, 2)],
+    ids=str,
+)
+def test_marked_padding_brings_a_padded_rows_logits_back(arch, pads, chunk, residual):
     model = tiny_model(arch)
     torch.manual_seed(0)
     ids = torch.randint(1, 32, (2, 88))
     mask = torch.ones_like(ids)
-    ids[1, :pads], mask[1, :pads] = 0, 0  # row 1: pads, prompt tokens, then 24 forced steps
+    for row, n in enumerate(pads):  # pads, prompt tokens up to 64, then 24 forced steps
+        ids[row, :n], mask[row, :n] = 0, 0
     with torch.no_grad():
         ref = model(ids, attention_mask=mask).logits[:, 64:]
         errors = []
         for marked in (False, True):
-            cache = ADKVCache(model.config, 8, 8, residual_length=16)
+            cache = ADKVCache(model.config, 8, 8, residual_length=residual)
             if marked:
                 cache.mark_padding(mask[:, :64])
             for start in range(0, 64, chunk):  # the prompt, in chunks
@@ -264,10 +269,12 @@ def test_marked_padding_brings_a_padded_rows_logits_back(arch, pads, chunk):
             got = torch.cat(steps, 1)
             errors.append((got - ref).norm(dim=(1, 2)) / ref.norm(dim=(1, 2)))
     unmarked, marked = errors
-    # Measured (llama, qwen2): unmarked 0.38-0.88 (1.14-1.16 in chunks), marked 0.006-0.020; the
-    # unpadded row 0.005-0.018.
-    assert torch.equal(unmarked[0], marked[0])
-    assert marked[1] < 0.05 and unmarked[1] > 10 * marked[1]
+    # Measured (llama, qwen2): padded rows unmarked 0.38-0.88 (1.0-1.3 in chunks), marked
+    # 0.006-0.033; the unpadded row 0.005-0.018, bit for bit the same marked or not.
+    if pads[0] == 0:
+        assert torch.equal(unmarked[0], marked[0])
+    padded = torch.tensor(pads) > 0
+    assert (marked[padded] < 0.05).all() and (unmarked[padded] > 10 * marked[padded]).all()
 
 
 def test_a_prompt_mask_is_repeated_for_beams_and_sequences():
