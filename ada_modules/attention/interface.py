@@ -23,9 +23,10 @@ short prompts and training run dense attention, and so do layers that need more 
 attention with padding (a sliding window, logit softcapping, attention sinks or a non-causal
 module: a warning says so). Dense attention is transformers' SDPA, or the model's own eager
 attention for softcapping and sinks, which SDPA cannot do
-(:func:`~ada_modules.attention.dense_fallback.dense_attention_forward`). The sparse path plans the call's
-blocks, runs :func:`~ada_modules.kernels.sparse_prefill.sparse_prefill_attention` (Triton on CUDA,
-the torch reference on CPU), and reports the plan to every active :func:`record_sparse_prefill`.
+(:func:`~ada_modules.attention.dense_fallback.dense_attention_forward`). The sparse path plans
+the call's blocks, runs :func:`~ada_modules.kernels.sparse_prefill.sparse_prefill_attention`
+(Triton on CUDA, the torch reference on CPU), and reports the plan to every active
+:func:`record_sparse_prefill`.
 
 Example:
     >>> import torch

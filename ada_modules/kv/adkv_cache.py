@@ -142,9 +142,10 @@ class ADKVLayer(QuantizedKVLayer):
         The *donor* is the row with the fewest pads (the longest prompt). If it has pads, the
         tokens stay in the full-precision window until it has shown ``max(residual_length,
         MIN_MIRRORED)`` real tokens (or all it has); then its pads are replaced by its first real
-        tokens, mirrored about the first one (pad ``P - 1 - j`` takes real token ``j``, folding back and forth when
-        there are more pads than real tokens), and every other row's pads by the donor's tokens
-        at the same positions, as they arrive. The pads stay masked in attention.
+        tokens, mirrored about the first one (pad ``P - 1 - j`` takes real token ``j``, folding
+        back and forth when there are more pads than real tokens), and every other row's pads by
+        the donor's tokens at the same positions, as they arrive. The pads stay masked in
+        attention.
 
         Args:
             attention_mask: ``(batch, length)`` of 0/1 (or bool), the prompts' mask as passed to
@@ -203,21 +204,20 @@ class ADKVLayer(QuantizedKVLayer):
         pads = _per_row(self.pending_padding, keys.shape[0]).to(keys.device)
         seen, donor = self.cumulative_length, int(pads.argmin())
         donor_pads = int(pads[donor])
+        source_keys, source_values = keys[donor : donor + 1], values[donor : donor + 1]
         if not self._donor_filled:  # nothing is flushed before: the window starts at token 0
             # a padded donor mirrors at least MIN_MIRRORED real tokens (all it has, if fewer)
             block = max(self.residual_length, MIN_MIRRORED) if donor_pads else 0
             if seen - donor_pads < min(self._prompt_length - donor_pads, block):
                 return keys, values, 0
-            only_donor = torch.zeros_like(pads)
-            only_donor[donor] = donor_pads
-            index = mirrored_padding_index(only_donor, seen)
-            index = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
-            keys, values = keys.gather(-2, index), values.gather(-2, index)
+            index = mirrored_padding_index(pads[donor : donor + 1], seen)[0]
+            source_keys, source_values = source_keys[..., index, :], source_values[..., index, :]
             self._donor_filled = True
+        # every row's pads, the donor's own included, take the donor's tokens at their positions
         position = torch.arange(seen - keys.shape[-2], seen, device=keys.device)
         is_pad = (position < pads[:, None])[:, None, :, None]
-        keys = torch.where(is_pad, keys[donor : donor + 1], keys)
-        values = torch.where(is_pad, values[donor : donor + 1], values)
+        keys = torch.where(is_pad, source_keys, keys)
+        values = torch.where(is_pad, source_values, values)
         if seen >= int(pads.max()):
             self.pending_padding = None
         return super()._prepare_flush(keys, values)

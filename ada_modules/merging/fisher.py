@@ -107,8 +107,8 @@ def fisher_merge(
         raise InputError(f"eps must be a number >= 0, got {eps!r}")
     _check_fishers(members, fishers)
     names = list(range(1, len(members)))
-    tied, first, others = untie_members(members[0], members[1:], names=names, role="member")
-    members = [first, *others]
+    tied, reference, others = untie_members(members[0], members[1:], names=names, role="member")
+    members = [reference, *others]
     # a tie's Fisher values under its later key only (not as collect_fisher names it) still count
     fishers = [
         {

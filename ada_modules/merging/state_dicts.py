@@ -288,8 +288,11 @@ def untie_members(
         ({'h': 'e'}, ['e'], [['e']])
     """
     tied = tied_keys(base)
-    if not tied or isinstance(members, Mapping) or not isinstance(members, Sequence):
-        return tied, dict(base), members  # not a list of state dicts: check_compatible names it
+    if not tied:
+        return tied, dict(base), members
+    if isinstance(members, Mapping) or not isinstance(members, Sequence):
+        # not a list of state dicts: the merge's own checks name it
+        return tied, untie(base, tied), members
     for index, member in enumerate(members):
         if not isinstance(member, Mapping):
             continue  # check_compatible names it

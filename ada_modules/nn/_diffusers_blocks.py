@@ -1,5 +1,11 @@
-"""The transformer blocks of a diffusers model that block wrappers (ANCRe, AOT-POT) can wrap."""
+"""The transformer blocks of a diffusers model that block wrappers (ANCRe, AOT-POT) can wrap, and
+how a wrapper takes their hidden state (first, or as ``hidden_states=`` as diffusers passes it)
+and hands it on the same way."""
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
 from torch import nn
 
 from ada_modules.errors import InputError
@@ -19,6 +25,41 @@ ENCODER_FIRST_BLOCKS = frozenset(
         "QwenImageTransformerBlock",
     }
 )
+
+
+def take_hidden_state(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], who: str
+) -> tuple[torch.Tensor, tuple[Any, ...], dict[str, Any], bool]:
+    """The hidden state a wrapper was called with, the other arguments, and whether it came as
+    ``hidden_states=`` (else it is the first positional argument).
+
+    Raises:
+        InputError: Naming ``who``, if there is neither.
+
+    Examples:
+        >>> take_hidden_state((), {"hidden_states": 1, "temb": 2}, "block 0")
+        (1, (), {'temb': 2}, True)
+    """
+    if "hidden_states" in kwargs:
+        rest = dict(kwargs)
+        return rest.pop("hidden_states"), tuple(args), rest, True
+    if args:
+        return args[0], tuple(args[1:]), dict(kwargs), False
+    raise InputError(f"{who} got no hidden state: pass it first or as hidden_states=")
+
+
+def call_block(
+    block: nn.Module,
+    hidden: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    by_keyword: bool,
+) -> Any:
+    """``block`` called with ``hidden`` the way the wrapper got its own (see
+    :func:`take_hidden_state`)."""
+    if by_keyword:
+        return block(*args, hidden_states=hidden, **kwargs)
+    return block(hidden, *args, **kwargs)
 
 
 def wrappable_transformer_blocks(model: nn.Module) -> tuple[nn.ModuleList, int]:

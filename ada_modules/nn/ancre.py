@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from ada_modules.errors import InputError
+from ada_modules.nn._diffusers_blocks import call_block, take_hidden_state
 from ada_modules.nn.ancre_router import ConnectivityRouter
 
 __all__ = [
@@ -107,22 +108,11 @@ class RoutedBlock(nn.Module):
             return getattr(self._modules["block"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        by_keyword = "hidden_states" in kwargs
-        if by_keyword:
-            x = kwargs.pop("hidden_states")
-        elif args:
-            x, *args = args
-        else:
-            raise InputError(
-                f"routed block {self.index} got no hidden state: pass it first or as hidden_states="
-            )
+        x, args, kwargs, by_keyword = take_hidden_state(args, kwargs, f"routed block {self.index}")
         router: ConnectivityRouter = self._router
         p = router.enter(self.index, x)
         inputs = router.block_input(p, self.index, x)
-        if by_keyword:
-            out = self.block(*args, hidden_states=inputs, **kwargs)
-        else:
-            out = self.block(inputs, *args, **kwargs)
+        out = call_block(self.block, inputs, args, kwargs, by_keyword)
         y = out[0] if isinstance(out, tuple | list) else out
         if not isinstance(y, torch.Tensor) or y.shape != inputs.shape:
             got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__

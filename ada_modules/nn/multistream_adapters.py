@@ -58,7 +58,11 @@ import torch
 from torch import nn
 
 from ada_modules.errors import InputError
-from ada_modules.nn._diffusers_blocks import wrappable_transformer_blocks
+from ada_modules.nn._diffusers_blocks import (
+    call_block,
+    take_hidden_state,
+    wrappable_transformer_blocks,
+)
 from ada_modules.nn.ancre_adapters import mlp_blocks
 from ada_modules.nn.multistream import (
     Dynamic,
@@ -101,11 +105,7 @@ class _BlockDelta(nn.Module):
         self, h: torch.Tensor, *args: Any, hidden_by_keyword: bool = False, **kwargs: Any
     ) -> torch.Tensor:
         block: nn.Module = self._block
-        out = (
-            block(*args, hidden_states=h, **kwargs)
-            if hidden_by_keyword
-            else block(h, *args, **kwargs)
-        )
+        out = call_block(block, h, args, kwargs, hidden_by_keyword)
         is_tuple = isinstance(out, tuple | list)
         y = out[0] if is_tuple else out
         if not isinstance(y, torch.Tensor) or y.shape != h.shape:
@@ -197,15 +197,7 @@ class StreamBlock(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.disable:
             return self.block(*args, **kwargs)
-        by_keyword = "hidden_states" in kwargs
-        if by_keyword:
-            x = kwargs.pop("hidden_states")
-        elif args:
-            x, args = args[0], args[1:]
-        else:
-            raise InputError(
-                f"stream block {self.index} got no hidden state: pass it first or as hidden_states="
-            )
+        x, args, kwargs, by_keyword = take_hidden_state(args, kwargs, f"stream block {self.index}")
         n, dim = self.n_streams, self.dim
         first, last = self.index == 0, self.index == self.num_blocks - 1
         width = dim if first else n * dim
