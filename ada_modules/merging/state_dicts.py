@@ -76,6 +76,9 @@ def check_compatible(
 ) -> None:
     """Check that every state dict in ``others`` has the base's keys, shapes and dtypes.
 
+    A key the base ties to an earlier one (:func:`tied_keys`) may be missing when the earlier key
+    is there: a tied model saved with ``save_pretrained`` stores the tensor once.
+
     Args:
         base: The reference state dict.
         others: The state dicts to merge with it.
@@ -105,12 +108,15 @@ def check_compatible(
             raise InputError(
                 f"the base: key {name!r} must be a tensor, got {type(tensor).__name__}"
             )
+    tied = tied_keys(base)
     for index, other in enumerate(others):
         who = _describe(role, names[index] if names is not None else index)
         if not isinstance(other, Mapping):
             raise InputError(f"{who} must be a state dict, got {type(other).__name__}")
         for name, reference in base.items():
             if name not in other:
+                if tied.get(name) in other:
+                    continue  # a tie stored once, under its first key (as save_pretrained does)
                 raise InputError(f"{who}: key {name!r} is missing (the base has it)")
             tensor = other[name]
             if not isinstance(tensor, torch.Tensor):
@@ -158,12 +164,15 @@ def task_vectors(
 ) -> list[dict[str, torch.Tensor]]:
     """``τ_i = θ_i − θ_0`` for every floating-point tensor (in float32, or float64 for float64).
 
-    Integer and boolean tensors have no task vector: merges copy them from the base.
+    Integer and boolean tensors have no task vector: merges copy them from the base. A tie of
+    the base stored once in a specialist (:func:`check_compatible`) has its vector under each key.
     """
     check_compatible(base, specialists)
+    tied = tied_keys(base)
     return [
         {
-            name: tuned[name].to(compute_dtype(tensor)) - tensor.to(compute_dtype(tensor))
+            name: (tuned[name] if name in tuned else tuned[tied[name]]).to(compute_dtype(tensor))
+            - tensor.to(compute_dtype(tensor))
             for name, tensor in base.items()
             if is_mergeable(tensor)
         }

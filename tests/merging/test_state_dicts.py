@@ -64,6 +64,20 @@ def test_task_vectors_skip_integer_tensors():
     assert torch.equal(vector["features.1.weight"], torch.zeros(4, 3))
 
 
+def test_a_tie_stored_once_is_compatible_and_has_its_vector_under_each_key():
+    shared = torch.zeros(4, 3)
+    base = {"embed.weight": shared, "head.weight": shared, "b": torch.zeros(3)}
+    tuned = {"embed.weight": torch.ones(4, 3), "b": torch.zeros(3)}  # as save_pretrained writes
+    (vector,) = task_vectors(base, [tuned])
+    assert torch.equal(vector["head.weight"], torch.ones(4, 3))
+    assert torch.equal(vector["embed.weight"], torch.ones(4, 3))
+    with pytest.raises(InputError, match="specialist 0: key 'embed.weight' is missing"):
+        check_compatible(base, [{"head.weight": torch.ones(4, 3), "b": torch.zeros(3)}])
+    untied = {"embed.weight": torch.zeros(4, 3), "head.weight": torch.zeros(4, 3)}
+    with pytest.raises(InputError, match="specialist 0: key 'head.weight' is missing"):
+        check_compatible(untied, [tuned])  # no tie in the base: every key is needed
+
+
 def test_linear_layers():
     base = {**_base(), "odd.weight": torch.zeros(2, 2), "odd.bias": torch.zeros(3)}
     assert linear_layers(base) == ["features.1", "head"]

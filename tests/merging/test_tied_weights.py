@@ -144,7 +144,8 @@ def test_fisher_values_under_the_later_key_of_a_tie_count_as_under_the_first(mod
 
 def test_equal_copies_of_a_tie_are_accepted_nan_included(models):
     base = models["base"]
-    copies = {**base, "head.weight": base["embed.weight"].clone()}
+    embed = base["embed.weight"].clone()  # not the fixture's tensor: later tests use it
+    copies = {**base, "embed.weight": embed, "head.weight": embed.clone()}
     copies["head.weight"][0, 0] = copies["embed.weight"][0, 0] = float("nan")
     merged = task_arithmetic(base, [copies])
     assert merged["head.weight"] is merged["embed.weight"]
@@ -158,3 +159,23 @@ def test_a_recipe_names_specialists_that_are_not_state_dicts(models, tied):
         merge(recipe, base, [[1, 2]])
     with pytest.raises(InputError, match="specialists must be a list of state dicts, got dict"):
         merge(recipe, base, {"s": models["tuned"]})
+
+
+@pytest.mark.parametrize(
+    "method", ["task_arithmetic", "ties", "dare_linear", "regmean", "fisher", "amaris"]
+)
+def test_a_member_storing_a_tie_once_merges_as_with_both_keys(models, method):
+    """``save_pretrained`` writes a tied tensor once, under its first key."""
+    base, tuned = models["base"], models["tuned"]
+    saved_once = {k: v for k, v in tuned.items() if k != "head.weight"}
+    stats = models["activations"] if method in ("regmean", "amaris") else models["fisher"]
+    if method == "amaris":
+        expected, _ = amaris(base, [tuned], [stats[1]], stats[0])
+        merged, _ = amaris(base, [saved_once], [stats[1]], stats[0])
+    else:
+        expected = _direct(method, base, tuned, stats, torch.Generator().manual_seed(1))
+        merged = _direct(method, base, saved_once, stats, torch.Generator().manual_seed(1))
+    assert merged["head.weight"] is merged["embed.weight"]
+    assert merged.keys() == expected.keys()
+    for name in base:
+        assert torch.equal(merged[name], expected[name]), name
