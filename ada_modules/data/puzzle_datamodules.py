@@ -156,8 +156,10 @@ def _check_givens(name: str, value: object, box: int, unique: bool) -> tuple[int
     lo, hi = int(value[0]), int(value[1])
     if lo > hi:
         raise InputError(f"{name} must have lo <= hi, got {value!r}")
-    if lo < 0 or hi > cells:
-        raise InputError(f"{name} must lie within [{low}, {cells}], got {value!r}")
+    if lo < 0 or hi >= cells:  # a full grid has no blank to solve (and no cell to score)
+        raise InputError(
+            f"{name} must lie within [{low}, {cells - 1}] (at least one blank), got {value!r}"
+        )
     if lo < low:
         raise InputError(
             f"{name} must be >= {low}: a unique {box * box}x{box * box} puzzle needs at least "
@@ -185,7 +187,8 @@ class SudokuDataModule(_PuzzleDataModule):
 
     Args:
         box: Side of a box: 2 (4x4 puzzles) or 3 (9x9).
-        givens: ``[lo, hi]``, the range of givens of the training puzzles, within ``[0, n * n]``.
+        givens: ``[lo, hi]``, the range of givens of the training puzzles, within
+            ``[0, n * n - 1]``.
         eval_givens: ``[lo, hi]`` of the validation and test puzzles (defaults to ``givens``);
             with ``unique_eval``, ``lo`` must be at least 17 (box 3) or 4 (box 2).
         train_puzzles: Training puzzles.

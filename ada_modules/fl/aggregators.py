@@ -319,7 +319,7 @@ def max_tolerated(name: str, n: int) -> int:
     """
     if not _is_int(n) or n < 0:
         raise InputError(f"n (clients) must be an int >= 0, got {n!r}")
-    return _BOUNDS[_check_name(name)][1](int(n))
+    return max(_BOUNDS[_check_name(name)][1](int(n)), -1)
 
 
 def aggregate(name: str, updates: Tensor, f: int, **rule_kwargs: object) -> Aggregation:

@@ -273,9 +273,9 @@ class FederatedSimulationModule(LightningModule):
         if not torch.isfinite(updates).all(dim=1).any():
             # Every client's update overflowed: the global model has diverged (the attack's
             # denial of service). Nothing can be aggregated; the model stays where it is.
-            if not self.diverged_at:
+            if self.diverged_at is None:  # round 0 is a round
                 rank_zero_warn(f"the global model diverged in round {round_}; it stays as is")
-            self.diverged_at = self.diverged_at or round_
+                self.diverged_at = round_
             self.curve.append(accuracy)
             self.log_dict({**logs, "train/accuracy": accuracy}, batch_size=1)
             return

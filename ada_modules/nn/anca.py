@@ -18,6 +18,8 @@ are concatenated to the state at every step ("recall"), so the rule never loses 
 
 from __future__ import annotations
 
+import math
+from numbers import Integral, Real
 from typing import Literal
 
 import torch
@@ -125,10 +127,13 @@ class DeformablePerception(nn.Module):
             raise InputError(
                 f"backend must be 'auto', 'torchvision' or 'grid_sample', got {backend!r}"
             )
-        if isinstance(max_offset, bool) or not isinstance(max_offset, int | float):
-            raise InputError(f"max_offset must be a number > 0, got {max_offset!r}")
-        if not max_offset > 0:
-            raise InputError(f"max_offset must be a number > 0, got {max_offset!r}")
+        if isinstance(max_offset, bool) or not isinstance(max_offset, Real):
+            raise InputError(f"max_offset must be a finite number > 0, got {max_offset!r}")
+        if not 0 < max_offset < math.inf:
+            raise InputError(f"max_offset must be a finite number > 0, got {max_offset!r}")
+        for name, flag in (("modulation", modulation), ("deformable", deformable)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{name} must be True or False, got {flag!r}")
         self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
         self.max_offset, self.backend, self.deformable = float(max_offset), backend, deformable
         self.offsets: nn.Conv2d | None = None
@@ -212,12 +217,15 @@ class NeuralCellularAutomaton(nn.Module):
             ("state_channels", state_channels),
             ("hidden_channels", hidden_channels),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
                 raise InputError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(fire_rate, bool) or not isinstance(fire_rate, int | float):
+        if isinstance(fire_rate, bool) or not isinstance(fire_rate, Real):
             raise InputError(f"fire_rate must be a number in (0, 1], got {fire_rate!r}")
         if not 0 < fire_rate <= 1:
             raise InputError(f"fire_rate must be a number in (0, 1], got {fire_rate!r}")
+        in_channels, out_channels, state_channels, hidden_channels = (
+            int(c) for c in (in_channels, out_channels, state_channels, hidden_channels)
+        )
         self.in_channels, self.state_channels = in_channels, state_channels
         self.fire_rate = float(fire_rate)
         self.perception = DeformablePerception(
@@ -251,7 +259,7 @@ class NeuralCellularAutomaton(nn.Module):
                 f"inputs must have shape (batch, {self.in_channels}, height, width), got "
                 f"{tuple(inputs.shape)}"
             )
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        if isinstance(steps, bool) or not isinstance(steps, Integral) or steps < 1:
             raise InputError(f"steps must be an integer >= 1, got {steps!r}")
         state = inputs.new_zeros(inputs.shape[0], self.state_channels, *inputs.shape[2:])
         outputs = []

@@ -32,6 +32,7 @@ import math
 import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -51,9 +52,9 @@ __all__ = [
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
         raise InputError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return int(value)
 
 
 def _check_nonnegative(name: str, value: object) -> float:
@@ -216,7 +217,7 @@ class SimulatedChannel:
     def sample(self, item: int, n: int, *, generator: torch.Generator) -> Samples:
         """``n`` answers to ``item`` from one call (correlated as described above)."""
         item = _check_item(item, len(self))
-        _check_count("n", n, 1)
+        n = _check_count("n", n, 1)
         draws = torch.multinomial(self._probs[item], n + 1, replacement=True, generator=generator)
         copies = torch.rand(n, generator=generator, dtype=torch.float64) < self._copy_probability
         answers = torch.where(copies, draws[0], draws[1:])
@@ -292,8 +293,7 @@ class SimulatedCritic:
         self.keep = _probabilities("keep", keep)
         self.fix = _probabilities("fix", fix)
         self.cost = _check_nonnegative("cost", cost)
-        _check_count("num_distractors", num_distractors, 1)
-        self.num_distractors = num_distractors
+        self.num_distractors = _check_count("num_distractors", num_distractors, 1)
 
     @staticmethod
     def _rate(rates: Tensor, item: int) -> float:

@@ -82,7 +82,7 @@ class CausalLMChannel:
             raise InputError(f"prompts must be a non-empty sequence of strings, got {prompts!r}")
         if not isinstance(temperature, int | float) or not temperature > 0:
             raise InputError(f"temperature must be a number > 0, got {temperature!r}")
-        _check_count("max_new_tokens", max_new_tokens, 1)
+        max_new_tokens = _check_count("max_new_tokens", max_new_tokens, 1)
         self.cost_per_token = _check_nonnegative("cost_per_token", cost_per_token)
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -100,7 +100,7 @@ class CausalLMChannel:
     def sample(self, item: int, n: int, *, generator: torch.Generator) -> Samples:
         """``n`` sampled answers to ``item``'s prompt in one batch, and the tokens they cost."""
         item = _check_item(item, len(self))
-        _check_count("n", n, 1)
+        n = _check_count("n", n, 1)
         device = next(self.model.parameters()).device
         prompt = self.tokenizer.encode(self.prompts[item], add_bos=True)
         input_ids = torch.tensor([prompt] * n, device=device)

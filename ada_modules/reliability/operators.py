@@ -36,6 +36,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from numbers import Real
 from typing import Literal, Protocol
 
 import torch
@@ -126,9 +127,17 @@ def plurality(
     if weights is not None:
         for answer, votes in scores.items():
             weight = weights(answer)
-            if not isinstance(weight, (int, float)) or not math.isfinite(weight):
-                raise InputError(f"weight of answer {answer!r} must be finite, got {weight!r}")
-            scores[answer] = votes * weight
+            if isinstance(weight, torch.Tensor) and weight.numel() == 1:
+                weight = weight.item()  # e.g. a reward model's score
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, Real)
+                or not math.isfinite(weight)
+            ):
+                raise InputError(
+                    f"weight of answer {answer!r} must be a finite real number, got {weight!r}"
+                )
+            scores[answer] = votes * float(weight)
     return max(scores, key=scores.__getitem__)
 
 
@@ -171,6 +180,11 @@ def _check_cost(verifier: Verifier) -> float:
     return _check_nonnegative(f"cost of verifier {verifier!r}", verifier.cost)
 
 
+def _set_count(operator: object, name: str, minimum: int) -> None:
+    """Check the count field ``name`` of a frozen operator and store it as an ``int``."""
+    object.__setattr__(operator, name, _check_count(name, getattr(operator, name), minimum))
+
+
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise InputError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
@@ -211,7 +225,7 @@ class DiversityCombining:
     weights: Callable[[Hashable], float] | None = None
 
     def __post_init__(self) -> None:
-        _check_count("num_samples", self.num_samples, 1)
+        _set_count(self, "num_samples", 1)
         _check_choice("rule", self.rule, _RULES)
         if (self.verifier is not None) != (self.rule == "best_of_n"):
             raise InputError(
@@ -277,9 +291,9 @@ class HybridRetransmission:
     mode: Literal["chase", "incremental"] = "chase"
 
     def __post_init__(self) -> None:
-        _check_count("max_rounds", self.max_rounds, 1)
+        _set_count(self, "max_rounds", 1)
         _check_verifier("verifier", self.verifier)
-        _check_count("samples_per_round", self.samples_per_round, 1)
+        _set_count(self, "samples_per_round", 1)
         _check_choice("mode", self.mode, _MODES)
 
     def __call__(
@@ -326,7 +340,7 @@ class GeneratorCritic:
     critic: Critic
 
     def __post_init__(self) -> None:
-        _check_count("rounds", self.rounds, 0)
+        _set_count(self, "rounds", 0)
         if not isinstance(self.critic, Critic):
             raise InputError(f"critic must be a Critic (with refine), got {self.critic!r}")
 
@@ -373,18 +387,18 @@ class RatelessSampling:
     batch: int = 1
 
     def __post_init__(self) -> None:
-        _check_count("max_samples", self.max_samples, 1)
+        _set_count(self, "max_samples", 1)
         numeric = isinstance(self.confidence, (int, float)) and not isinstance(
             self.confidence, bool
         )
         if not numeric or not 0 < self.confidence < 1:
             raise InputError(f"confidence must be in (0, 1), got {self.confidence!r}")
-        _check_count("min_samples", self.min_samples, 1)
+        _set_count(self, "min_samples", 1)
         if self.min_samples > self.max_samples:
             raise InputError(
                 f"min_samples must be <= max_samples={self.max_samples}, got {self.min_samples}"
             )
-        _check_count("batch", self.batch, 1)
+        _set_count(self, "batch", 1)
 
     def _confident(self, answers: Sequence[Hashable]) -> bool:
         votes = [count for _, count in Counter(answers).most_common(2)]
@@ -439,7 +453,7 @@ class RedundantVerification:
     min_pass: int
 
     def __post_init__(self) -> None:
-        _check_count("num_candidates", self.num_candidates, 1)
+        _set_count(self, "num_candidates", 1)
         if isinstance(self.verifiers, Verifier) or not isinstance(self.verifiers, Sequence):
             raise InputError(f"verifiers must be a sequence of Verifiers, got {self.verifiers!r}")
         object.__setattr__(self, "verifiers", tuple(self.verifiers))
@@ -447,7 +461,7 @@ class RedundantVerification:
             raise InputError("verifiers must not be empty")
         for index, verifier in enumerate(self.verifiers):
             _check_verifier(f"verifiers[{index}]", verifier)
-        _check_count("min_pass", self.min_pass, 1)
+        _set_count(self, "min_pass", 1)
         if self.min_pass > len(self.verifiers):
             raise InputError(
                 f"min_pass must be <= the number of verifiers J={len(self.verifiers)}, "

@@ -152,8 +152,8 @@ class HashedNgramEmbedder:
                 f"ngram_range must be a pair of ints (low, high) with 1 <= low <= high, "
                 f"got {ngram_range!r}"
             )
-        self.dim = dim
-        self.ngram_range = (ngram_range[0], ngram_range[1])
+        self.dim = int(dim)
+        self.ngram_range = (int(ngram_range[0]), int(ngram_range[1]))
         self.lowercase = lowercase
         self.idf: Tensor | None = None
         """Inverse document frequency per bucket, shape ``(dim,)``; ``None`` before :meth:`fit`."""
@@ -228,7 +228,7 @@ class KNNRouter:
             raise InputError(f"k must be an int >= 1, got {k!r}")
         if metric not in _METRICS:
             raise InputError(f"metric must be one of {_METRICS}, got {metric!r}")
-        self.k = k
+        self.k = int(k)
         self.metric = metric
         self.option_names: list[str] = []
         self._keys: Tensor | None = None
@@ -281,6 +281,11 @@ class KNNRouter:
             raise InputError(
                 f"queries must have {keys.shape[1]} columns like the fitted embeddings, got "
                 f"shape {tuple(queries.shape)}"
+            )
+        if not torch.isfinite(queries).all():
+            rows = (~torch.isfinite(queries)).any(1).nonzero().flatten().tolist()
+            raise InputError(
+                f"queries must be finite, got NaN or infinite entries in rows {rows[:8]}"
             )
         # order_key[i, j]: smaller means item j is nearer to query i.
         if self.metric == "cosine":
@@ -440,7 +445,7 @@ def cost_at_matched_quality(
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _option_names(option_names: Sequence[str] | None, options: int) -> list[str]:

@@ -81,6 +81,8 @@ def test_sudoku_datamodule_shapes_ranges_and_determinism():
         (SudokuDataModule, {"givens": (10, 20)}, "givens"),
         (SudokuDataModule, {"givens": (40, 30)}, "givens"),
         (SudokuDataModule, {"givens": (30, 82)}, "givens"),
+        (SudokuDataModule, {"givens": (70, 81)}, "givens"),  # a full grid: no blank to score
+        (SudokuDataModule, {"box": 2, "givens": (16, 16), "unique_eval": False}, "givens"),
         (SudokuDataModule, {"givens": 30}, "givens"),
         (SudokuDataModule, {"eval_givens": (16, 20)}, "eval_givens"),
         (SudokuDataModule, {"eval_givens": (30, 25)}, "eval_givens"),

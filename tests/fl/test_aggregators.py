@@ -167,6 +167,7 @@ def test_registry_and_bounds():
     assert [max_tolerated("krum", n) for n in (2, 3, 7, 8)] == [-1, 0, 2, 2]
     assert [max_tolerated("bulyan", n) for n in (2, 3, 7, 11, 14)] == [-1, 0, 1, 2, 2]
     for name in AGGREGATORS:
+        assert max_tolerated(name, 0) == -1  # cannot run, never below the sentinel
         for n in range(1, 20):
             assert 2 * max_tolerated(name, n) < n
 

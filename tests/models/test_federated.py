@@ -92,6 +92,14 @@ def test_a_diverging_attack_leaves_the_model_stuck_and_counts_as_never_reaching(
     assert metrics["val/reached"] == 0.0 and metrics["val/rounds_to_target"] == 15
 
 
+def test_divergence_in_the_first_round_is_recorded_as_round_0(seed, cpu_trainer):
+    module = FederatedSimulationModule(attack=None, num_malicious=0, client_lr=1e39)
+    with pytest.warns(UserWarning, match="diverged") as caught:
+        _fit(cpu_trainer, module, _data(rounds=3))
+    assert module.diverged_at == 0
+    assert sum("diverged" in str(w.message) for w in caught) == 1
+
+
 def test_asap_on_the_mean_lowers_accuracy_within_its_envelope(seed, cpu_trainer):
     module = FederatedSimulationModule(attack=ASAP(), num_malicious=2, attack_start=15)
     clean = FederatedSimulationModule(num_malicious=2, attack_start=15)

@@ -1,5 +1,6 @@
 """aNCA: the deformable perception against torchvision, the plain NCA at init, bad input."""
 
+import numpy as np
 import pytest
 import torch
 from torchvision.ops import deform_conv2d
@@ -120,13 +121,25 @@ def test_one_rule_runs_any_grid_and_the_last_step_is_the_output():
     [
         ({"in_channels": 0}, "in_channels must be an integer >= 1, got 0"),
         ({"fire_rate": 0.0}, "fire_rate must be a number in (0, 1], got 0.0"),
-        ({"max_offset": 0}, "max_offset must be a number > 0, got 0"),
+        ({"max_offset": 0}, "max_offset must be a finite number > 0, got 0"),
+        ({"max_offset": float("inf")}, "max_offset must be a finite number > 0, got inf"),
+        ({"deformable": "no"}, "deformable must be True or False, got 'no'"),
+        ({"modulation": 1}, "modulation must be True or False, got 1"),
         ({"backend": "cuda"}, "backend must be 'auto', 'torchvision' or 'grid_sample'"),
     ],
 )
 def test_bad_arguments(kwargs, message):
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace("]", r"\]")):
         NeuralCellularAutomaton(**{"in_channels": 3, "out_channels": 2, **kwargs})
+
+
+def test_numpy_integers_are_integers():
+    torch.manual_seed(0)
+    nca = NeuralCellularAutomaton(np.int64(3), np.int64(2), state_channels=np.int32(4))
+    torch.manual_seed(0)
+    same = NeuralCellularAutomaton(3, 2, state_channels=4)
+    inputs = torch.randn(1, 3, 5, 5)
+    assert torch.equal(nca(inputs, steps=np.int64(2)), same(inputs, steps=2))
 
 
 def test_bad_forward_input():

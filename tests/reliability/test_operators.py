@@ -8,6 +8,7 @@ Monte-Carlo tolerances are >= 3 standard errors of the estimate they bound.
 import math
 from collections.abc import Hashable
 
+import numpy as np
 import pytest
 import torch
 
@@ -340,7 +341,7 @@ VERIFIER = SimulatedVerifier(0.9, 0.1)
         (lambda: plurality([]), "answers must not be empty"),
         (
             lambda: plurality([1, 2], weights=lambda a: math.nan),
-            "weight of answer 1 must be finite",
+            "weight of answer 1 must be a finite real number",
         ),
     ],
 )
@@ -389,3 +390,11 @@ def test_a_verifier_cost_that_turns_negative_is_an_error_not_a_refund():
     verifier.cost = -3.0  # changed after construction: checked where it is spent
     with pytest.raises(InputError, match=r"cost of verifier .* must be a finite number >= 0"):
         harq(SimulatedChannel([0.5]), 0, truth=0, generator=torch.Generator().manual_seed(0))
+
+
+def test_numpy_and_torch_numbers_are_numbers():
+    votes = DiversityCombining(np.int64(3), rule="weighted", weights=lambda a: np.float32(2.0))
+    assert type(votes.num_samples) is int and votes.num_samples == 3
+    assert plurality([1, 2, 2], weights={1: torch.tensor(3.0), 2: torch.tensor(1.0)}.get) == 1
+    with pytest.raises(InputError, match="weight of answer 1 must be a finite real number"):
+        plurality([1], weights=lambda a: torch.tensor([1.0, 2.0]))

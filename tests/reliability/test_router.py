@@ -1,5 +1,8 @@
 """The kNN cost-aware router: embedder, estimates against brute force, λ sweep, matched-quality cost."""
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -254,6 +257,20 @@ def _with(matrix, item, option, value):
             r"embeddings must be finite, got a NaN or infinite entry",
         ),
         (
+            lambda: (
+                KNNRouter(k=3)
+                .fit(KEYS, GOOD_Q, GOOD_C)
+                .route(_with(KEYS, 1, 0, float("nan")), lam=0.0)
+            ),
+            r"queries must be finite, got NaN or infinite entries in rows \[1\]",
+        ),
+        (
+            lambda: (
+                KNNRouter(k=3).fit(KEYS, GOOD_Q, GOOD_C).estimate(torch.full((1, 4), -math.inf))
+            ),
+            r"queries must be finite, got NaN or infinite entries in rows \[0\]",
+        ),
+        (
             lambda: KNNRouter(k=3).fit(KEYS, GOOD_Q, torch.ones(10, 2)),
             r"cost must have the shape of quality \(10, 3\), got \(10, 2\)",
         ),
@@ -319,3 +336,9 @@ def _with(matrix, item, option, value):
 def test_bad_input_raises_input_error(call, match):
     with pytest.raises(InputError, match=match):
         call()
+
+
+def test_numpy_integers_are_integers():
+    router = KNNRouter(k=np.int64(3))
+    assert type(router.k) is int and router.k == 3
+    assert type(HashedNgramEmbedder(dim=np.int32(8)).dim) is int
