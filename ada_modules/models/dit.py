@@ -78,7 +78,7 @@ class DiTModule(LightningModule):
         num_layers: Transformer blocks of the DiT.
         num_attention_heads: Attention heads.
         attention_head_dim: Width per head.
-        patch_size: Latent patch size.
+        patch_size: Latent patch size; it must divide the latent side.
         num_classes: Classes of the conditioning labels.
         alignment: ``None`` (vanilla) or keyword arguments of
             :meth:`HierarchicalPriorAligner.for_diffusers <ada_modules.nn.ahpa.HierarchicalPriorAligner.for_diffusers>`
@@ -90,8 +90,8 @@ class DiTModule(LightningModule):
         ema_decay: Decay of the EMA weights.
         num_samples: Samples generated per evaluation (``0``: no sampling metrics).
         sample_steps: Euler steps per sample.
-        image_size: Side of the training images (``None``: the VAE's ``sample_size``); the
-            latent side is this over the VAE's downsampling factor.
+        image_size: Side of the training images (``None``: the VAE's ``sample_size``), a multiple
+            of the VAE's downsampling factor; the latent side is this over that factor.
         model_wrapper: Called once as ``model_wrapper(dit)`` on the built DiT, before the
             alignment head attaches (e.g. ANCRe's ``ConnectivityWrapper`` or AOT-POT's
             ``StreamsWrapper``, which both reach a DiT's ``transformer_blocks``).
@@ -130,6 +130,8 @@ class DiTModule(LightningModule):
             raise InputError(f"sample_steps must be >= 1, got {sample_steps}")
         if alignment_weight < 0:
             raise InputError(f"alignment_weight must be >= 0, got {alignment_weight}")
+        if isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1:
+            raise InputError(f"patch_size must be an int >= 1, got {patch_size!r}")
         self.save_hyperparameters(ignore=["optimizer", "model_wrapper"])
         asset = load_autoencoder(vae_path)
         self.vae = asset.vae
@@ -137,7 +139,18 @@ class DiTModule(LightningModule):
         self.register_buffer("latent_std", asset.latent_std.view(1, -1, 1, 1).float())
         channels = int(self.vae.config.latent_channels)
         side = int(self.vae.config.sample_size) if image_size is None else image_size
-        size = side // 2 ** (len(self.vae.config.block_out_channels) - 1)
+        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        if isinstance(side, bool) or not isinstance(side, int) or side < 1 or side % factor:
+            raise InputError(
+                f"image_size must be a positive multiple of {factor} (the VAE's downsampling "
+                f"factor), got {side!r}"
+            )
+        size = side // factor
+        if size % patch_size:
+            raise InputError(
+                f"patch_size {patch_size} must divide the latent side {size} (image_size {side} "
+                f"over the VAE's downsampling factor {factor})"
+            )
         self.latent_shape = (channels, size, size)
         self.dit = DiTTransformer2DModel(
             num_attention_heads=num_attention_heads,

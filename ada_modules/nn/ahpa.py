@@ -18,6 +18,7 @@ off by per-level EMA normalisation of the losses, an entropy bonus, or a KL to
 as fixed weights.
 """
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -27,12 +28,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ada_modules.errors import InputError
+from ada_modules.nn._diffusers_blocks import ENCODER_FIRST_BLOCKS
 from ada_modules.nn.ahpa_router import TimestepRouter, coarse_to_fine_prior
 
 __all__ = ["HierarchicalPriorAligner", "LATENT"]
 
 LATENT = "latent"
 RouterKind = Literal["learned", "prior", "uniform", "none"]
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _projector(width: int, hidden: int, out: int) -> nn.Sequential:
@@ -53,8 +56,37 @@ def _first_tensor(output: Any) -> torch.Tensor:
     raise InputError(f"a hooked module returned {type(output).__name__}, not a tensor")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_t(t: Any, batch: int | None = None) -> None:
+    """Raise :class:`InputError` unless ``t`` is a 1-D tensor of noise levels in ``[0, 1]``
+    (of length ``batch`` if given)."""
+    if not isinstance(t, torch.Tensor):
+        raise InputError(
+            f"t must be a 1-D tensor of noise levels in [0, 1], one per sample, got "
+            f"{type(t).__name__}"
+        )
+    if not (t.is_floating_point() or t.dtype in _INTEGER_DTYPES):
+        raise InputError(f"t must be a floating or integer tensor, got {t.dtype}")
+    if t.dim() != 1 or (batch is not None and t.shape[0] != batch):
+        count = "" if batch is None else f"{batch} "
+        raise InputError(
+            f"t must be a 1-D tensor of {count}noise levels, one per sample, got shape "
+            f"{tuple(t.shape)} (flatten a (B, 1, 1, 1) column with t.flatten())"
+        )
+    bad = t[~((t >= 0) & (t <= 1))]
+    if bad.numel():
+        raise InputError(
+            f"t must be in [0, 1] (0 clean, 1 noise; a DiT's timestep is 1000 t), got "
+            f"{bad[0].item()}"
+        )
+
+
 def _probe_channels(vae: nn.Module, names: list[str]) -> dict[str, int]:
-    """Channels of each named submodule's output on one zero image through ``vae.encoder``."""
+    """Channels of each named submodule's output on one zero image through ``vae.encode``, in the
+    VAE's dtype and on its device."""
     modules = dict(vae.named_modules())
     channels: dict[str, int] = {}
     handles = [
@@ -65,15 +97,22 @@ def _probe_channels(vae: nn.Module, names: list[str]) -> dict[str, int]:
     ]
     config = vae.config
     size = int(config.sample_size)
+    parameter = next(vae.parameters())
     sample = torch.zeros(
-        1, int(config.in_channels), size, size, device=next(vae.parameters()).device
+        1, int(config.in_channels), size, size, dtype=parameter.dtype, device=parameter.device
     )
     try:
         with torch.no_grad():
-            vae.encoder(sample)
+            vae.encode(sample)
     finally:
         for handle in handles:
             handle.remove()
+    for name in names:
+        if name not in channels:
+            raise InputError(
+                f"level {name!r} is not run by vae.encode (the pass whose outputs the hooks "
+                f"catch); '{LATENT}' or a submodule it runs (encoder.*, quant_conv)"
+            )
     return channels
 
 
@@ -87,8 +126,9 @@ class HierarchicalPriorAligner(nn.Module):
             ordered fine to coarse, or ``"latent"`` (the latent passed to :meth:`loss`).
         level_channels: Channels of each level's output.
         block_index: Index in ``blocks`` of the block whose output tokens ``(B, N, D)`` are aligned
-            (``(B, N, n D)``, the packed streams of a multi-stream residual, is read as the mean of
-            its ``n`` streams).
+            (a block wrapped by AOT-POT's ``StreamsWrapper`` returns ``(B, N, n D)``, its ``n``
+            packed streams, read as their mean). Blocks that return ``(encoder_hidden_states,
+            hidden_states)`` (SD3, Flux, ...) are refused.
         hidden_size: Width ``D`` of the tokens.
         token_grid: ``(h, w)`` with ``h * w = N``: the levels are average-pooled to this grid.
         router: ``"learned"`` (:class:`TimestepRouter`), ``"prior"`` (fixed coarse-to-fine
@@ -140,13 +180,21 @@ class HierarchicalPriorAligner(nn.Module):
         self.check_levels(vae, levels)
         if not 0 <= ema_decay < 1:
             raise InputError(f"ema_decay must be in [0, 1), got {ema_decay}")
-        if entropy_weight < 0 or prior_kl_weight < 0:
+        if not (0 <= entropy_weight < math.inf and 0 <= prior_kl_weight < math.inf):
             raise InputError(
-                f"entropy_weight and prior_kl_weight must be >= 0, got {entropy_weight} "
+                f"entropy_weight and prior_kl_weight must be finite and >= 0, got {entropy_weight} "
                 f"and {prior_kl_weight}"
             )
+        if not 0 < prior_sigma < math.inf:
+            raise InputError(f"prior_sigma must be finite and > 0, got {prior_sigma}")
+        if not _is_int(hidden_size) or hidden_size < 1:
+            raise InputError(f"hidden_size must be an int >= 1, got {hidden_size!r}")
+        if not _is_int(projector_dim) or projector_dim < 1:
+            raise InputError(f"projector_dim must be an int >= 1, got {projector_dim!r}")
         self.levels = levels
         self.hidden_size = hidden_size
+        # a StreamsWrapper block packs its streams on the last axis (its last block reduces them)
+        self.packed_streams = int(getattr(blocks[block_index], "n_streams", 1))
         self.token_grid = (int(token_grid[0]), int(token_grid[1]))
         self.router_kind = router
         self.normalize = normalize
@@ -193,9 +241,21 @@ class HierarchicalPriorAligner(nn.Module):
                 f"level_channels must give one width per level: {len(levels)} levels, "
                 f"got {list(level_channels)}"
             )
+        if not all(_is_int(c) and c >= 1 for c in level_channels):
+            raise InputError(f"level_channels must be ints >= 1, got {list(level_channels)}")
+        if not _is_int(block_index):
+            raise InputError(f"block_index must be an int, got {block_index!r}")
         if not -len(blocks) <= block_index < len(blocks):
             raise InputError(
                 f"block_index {block_index} is out of range for {len(blocks)} transformer blocks"
+            )
+        block = type(blocks[block_index]).__name__
+        if block in ENCODER_FIRST_BLOCKS:
+            raise InputError(
+                f"block {block_index} ({block}) is not supported: it returns the tuple "
+                "(encoder_hidden_states, hidden_states), and the head would align the text "
+                "stream; only blocks that return the image tokens (or a tuple that starts with "
+                "them) can be aligned"
             )
         if len(token_grid) != 2 or min(token_grid) < 1:
             raise InputError(f"token_grid must be (h, w) with h, w >= 1, got {token_grid}")
@@ -214,8 +274,9 @@ class HierarchicalPriorAligner(nn.Module):
     ) -> "HierarchicalPriorAligner":
         """An aligner for a diffusers ``AutoencoderKL`` and ``DiTTransformer2DModel``.
 
-        The level widths come from one probe pass of a zero image through the VAE encoder, the
-        token width and grid from the DiT's config. ``kwargs`` go to the constructor.
+        The level widths come from one probe pass of a zero image through ``vae.encode`` (in the
+        VAE's dtype, so half-precision VAEs work; a level must be run by it), the token width and
+        grid from the DiT's config. ``kwargs`` go to the constructor.
 
         Example:
             >>> from diffusers import AutoencoderKL, DiTTransformer2DModel
@@ -281,7 +342,16 @@ class HierarchicalPriorAligner(nn.Module):
         return pooled.flatten(2).transpose(1, 2)  # (B, N, C)
 
     def weights(self, t: torch.Tensor) -> torch.Tensor:
-        """The level weights ``(batch, L)`` at noise levels ``t`` (``0`` clean, ``1`` noise)."""
+        """The level weights ``(batch, L)`` at noise levels ``t`` ``(batch,)`` in ``[0, 1]``
+        (``0`` clean, ``1`` noise).
+
+        Raises:
+            InputError: If ``t`` is not a 1-D floating or integer tensor of values in ``[0, 1]``.
+        """
+        _check_t(t)
+        return self._weights(t)
+
+    def _weights(self, t: torch.Tensor) -> torch.Tensor:
         n = len(self.levels)
         if self.router is not None:
             return self.router(t)
@@ -290,7 +360,13 @@ class HierarchicalPriorAligner(nn.Module):
         return torch.full((t.shape[0], n), 1.0 / n, device=t.device)
 
     def level_losses(self, latent: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-sample, per-level ``mean_tokens(1 - cos)`` of the caught tokens, shape ``(B, L)``."""
+        """Per-sample, per-level ``mean_tokens(1 - cos)`` of the caught tokens, shape ``(B, L)``.
+
+        ``latent`` ``(B, C, H, W)`` is the target of the ``"latent"`` level (detached, as the
+        caught VAE levels are).
+        """
+        if latent is not None and not isinstance(latent, torch.Tensor):
+            raise InputError(f"latent must be a tensor (B, C, H, W), got {type(latent).__name__}")
         tokens = self._tokens
         if tokens is None:
             raise InputError(
@@ -301,22 +377,28 @@ class HierarchicalPriorAligner(nn.Module):
                 f"the aligned block gave tokens of shape {tuple(tokens.shape)}, but token_grid "
                 f"{self.token_grid} needs {self.token_grid[0] * self.token_grid[1]} tokens"
             )
-        width = tokens.shape[-1]
+        width, streams = tokens.shape[-1], self.packed_streams
         if width != self.hidden_size:
-            if width % self.hidden_size:
+            if width != streams * self.hidden_size:
+                packed = f" ({streams} packed streams: {streams * self.hidden_size})"
                 raise InputError(
                     f"the aligned block gave tokens of width {width}; hidden_size is "
-                    f"{self.hidden_size} (or a multiple: packed multi-stream residuals)"
+                    f"{self.hidden_size}{packed if streams > 1 else ''}"
                 )
             # multi-stream residuals (StreamsWrapper) pack their streams: read out their mean
-            tokens = tokens.unflatten(-1, (width // self.hidden_size, self.hidden_size)).mean(-2)
+            tokens = tokens.unflatten(-1, (streams, self.hidden_size)).mean(-2)
         losses = []
         for name, projector in zip(self.levels, self.projectors, strict=True):
             feature = latent if name == LATENT else self._targets.get(name)
             if feature is None:
                 what = "pass latent=" if name == LATENT else "encode the clean images with the VAE"
                 raise InputError(f"no target for level {name!r}: {what} before loss()")
-            target = self._pooled(name, feature)
+            target = self._pooled(name, feature.detach())
+            channels = projector[-1].out_features
+            if target.shape[-1] != channels:
+                raise InputError(
+                    f"level {name!r} has {target.shape[-1]} channels; expected {channels}"
+                )
             if target.shape[0] != tokens.shape[0]:
                 raise InputError(
                     f"level {name!r} has batch {target.shape[0]}, the tokens {tokens.shape[0]}"
@@ -328,18 +410,25 @@ class HierarchicalPriorAligner(nn.Module):
     def loss(
         self, t: torch.Tensor, latent: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The alignment loss for noise levels ``t`` ``(B,)``, and detached statistics to log.
+        """The alignment loss for noise levels ``t`` ``(B,)`` in ``[0, 1]``, and detached statistics
+        to log.
 
-        Uses (and clears) the targets and tokens the hooks caught since the last call.
+        Uses (and clears) the targets and tokens the hooks caught since the last call. A batch
+        whose level losses are not finite gives a non-finite loss and leaves the EMA as it was.
+
+        Raises:
+            InputError: If ``t`` is not a 1-D floating or integer tensor of ``B`` values in
+                ``[0, 1]``, or a caught target or ``latent`` does not fit (nothing is cleared).
         """
         per_level = self.level_losses(latent)
+        _check_t(t, per_level.shape[0])
         self._targets.clear()
         self._tokens = None
         if self.normalize == "ema":
             scaled = per_level / self._update_ema(per_level.detach().mean(dim=0))
         else:
             scaled = per_level
-        w = self.weights(t.to(per_level.device))
+        w = self._weights(t.to(per_level.device))
         loss = (w * scaled).sum(dim=1).mean()
         entropy = -(w * w.clamp_min(1e-12).log()).sum(dim=1).mean()
         if self.router is not None and self.entropy_weight:
@@ -354,7 +443,7 @@ class HierarchicalPriorAligner(nn.Module):
         return loss, stats
 
     def _update_ema(self, batch_means: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        if self.training and bool(batch_means.isfinite().all()):
             if int(self.ema_steps) == 0:
                 self.loss_ema.copy_(batch_means)
             else:

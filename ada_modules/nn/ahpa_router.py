@@ -87,6 +87,10 @@ class TimestepRouter(nn.Module):
         nn.init.zeros_(self.mlp[-1].bias)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        """Weights ``(batch, num_levels)`` on the simplex for noise levels ``t`` of shape ``(batch,)``."""
-        logits = self.mlp(timestep_embedding(t, self.embed_dim))
+        """Weights ``(batch, num_levels)`` on the simplex for noise levels ``t`` of shape ``(batch,)``.
+
+        The embedding is cast to the MLP's dtype, so the router also runs in half precision.
+        """
+        embedding = timestep_embedding(t, self.embed_dim).to(self.mlp[0].weight.dtype)
+        logits = self.mlp(embedding)
         return torch.softmax(logits / self.temperature, dim=-1)

@@ -94,3 +94,28 @@ def test_bad_alignment_settings_name_the_value():
         _module(alignment={**AHPA, "block_index": 2})
     with pytest.raises(InputError, match="num_samples must be 0 or >= 2, got 1"):
         _module(num_samples=1)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "match"),
+    [
+        ({"patch_size": 3}, "patch_size 3 must divide the latent side 8"),
+        ({"image_size": 28}, "patch_size 2 must divide the latent side 7"),
+        ({"image_size": 30}, "image_size must be a positive multiple of 4.*got 30"),
+        ({"image_size": 2}, "image_size must be a positive multiple of 4.*got 2"),
+        ({"image_size": 0}, "image_size must be a positive multiple of 4.*got 0"),
+        ({"patch_size": 0}, "patch_size must be an int >= 1, got 0"),
+    ],
+)
+def test_sizes_the_dit_cannot_train_are_refused(sizes, match):
+    with pytest.raises(InputError, match=match):
+        _module(num_samples=0, alignment=AHPA, **sizes)
+
+
+def test_the_learned_router_trains_in_bf16(tmp_path):
+    module = _module(alignment=AHPA, num_samples=0)
+    _trainer(tmp_path, max_steps=1, limit_val_batches=0, precision="bf16-true").fit(
+        module, datamodule=_data()
+    )
+    assert module.aligner.router.mlp[0].weight.dtype == torch.bfloat16
+    assert module.aligner.loss_ema.isfinite().all()

@@ -167,3 +167,128 @@ def test_bad_input_names_the_value():
     _step(vae, dit)
     with pytest.raises(InputError, match=r"token_grid \(2, 2\) needs 4 tokens"):
         aligner.loss(torch.rand(3))
+
+
+@pytest.mark.parametrize("router", ["learned", "prior", "uniform"])
+def test_t_must_be_one_noise_level_in_0_1_per_sample(router):
+    vae, dit = _vae(), _dit()
+    aligner = HierarchicalPriorAligner.for_diffusers(vae, dit, LEVELS, block_index=1, router=router)
+    _step(vae, dit)
+    t = torch.tensor([0.1, 0.5, 0.9])
+    bad = {
+        r"t must be a 1-D tensor of 3 noise levels.*shape \(3, 1\)": t.view(-1, 1),
+        r"shape \(3, 1, 1, 1\)": t.view(-1, 1, 1, 1),
+        r"shape \(1,\)": t[:1],
+        r"shape \(2,\)": t[:2],
+        r"shape \(\)": t[0],
+        "got float": 0.5,
+        "got list": [0.1, 0.5, 0.9],
+        r"t must be in \[0, 1\].*got 1000": torch.tensor([1000.0, 999.0, 0.5]),
+        r"t must be in \[0, 1\].*got -0.5": torch.tensor([-0.5, 0.5, 0.9]),
+        r"t must be in \[0, 1\].*got nan": torch.tensor([float("nan"), 0.5, 0.9]),
+        "t must be a floating or integer tensor, got torch.bool": torch.tensor([True] * 3),
+    }
+    for match, value in bad.items():
+        with pytest.raises(InputError, match=match):
+            aligner.loss(value)
+    with pytest.raises(InputError, match=r"shape \(3, 1\)"):
+        aligner.weights(t.view(-1, 1))
+    assert int(aligner.ema_steps) == 0  # refused before anything changed: the step still counts
+    loss, _ = aligner.loss(torch.tensor([0, 1, 1]))  # integer noise levels are fine
+    assert torch.isfinite(loss) and int(aligner.ema_steps) == 1
+
+
+def test_a_non_finite_batch_does_not_enter_the_ema():
+    vae, dit = _vae(), _dit()
+    aligner = HierarchicalPriorAligner.for_diffusers(vae, dit, LEVELS, block_index=1)
+    _step(vae, dit)
+    aligner.loss(torch.rand(3))
+    ema = aligner.loss_ema.clone()
+    _step(vae, dit)
+    aligner._targets[LEVELS[0]][0, 0, 0, 0] = float("nan")  # one bad image
+    loss, _ = aligner.loss(torch.rand(3))
+    assert loss.isnan() and torch.equal(aligner.loss_ema, ema) and int(aligner.ema_steps) == 1
+    _step(vae, dit)
+    assert torch.isfinite(aligner.loss(torch.rand(3))[0]) and aligner.loss_ema.isfinite().all()
+
+
+def test_the_latent_target_is_frozen():
+    vae, dit = _vae(), _dit()
+    aligner = HierarchicalPriorAligner.for_diffusers(vae, dit, ["latent"], block_index=0)
+    latent = _step(vae, dit).requires_grad_()
+    aligner.loss(torch.rand(3), latent=latent)[0].backward()
+    assert latent.grad is None
+    _step(vae, dit)
+    with pytest.raises(InputError, match="level 'latent' has 2 channels; expected 4"):
+        aligner.loss(torch.rand(3), latent=latent[:, :2])
+
+
+def test_dual_stream_blocks_are_refused_by_name():
+    from diffusers import SD3Transformer2DModel
+
+    vae = _vae()
+    sd3 = SD3Transformer2DModel(
+        sample_size=4, patch_size=1, in_channels=4, out_channels=4, num_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+        caption_projection_dim=16, pooled_projection_dim=8, pos_embed_max_size=8,
+    )  # fmt: skip
+    with pytest.raises(InputError, match="JointTransformerBlock"):
+        HierarchicalPriorAligner.for_diffusers(vae, sd3, [LEVELS[2]], block_index=0)
+    assert not sd3.transformer_blocks[0]._forward_hooks
+    assert not any(m._forward_hooks for m in vae.modules())
+
+
+def test_tokens_wider_than_hidden_size_are_refused_unless_packed_streams():
+    vae, dit = _vae(), _dit()
+    aligner = HierarchicalPriorAligner(
+        vae, dit.transformer_blocks, [LEVELS[2]], [16], block_index=1, hidden_size=8,
+        token_grid=(4, 4),
+    )  # fmt: skip
+    _step(vae, dit)
+    with pytest.raises(InputError, match="tokens of width 16; hidden_size is 8"):
+        aligner.loss(torch.rand(3))
+
+
+def test_half_precision_vae_and_levels_run_by_encode():
+    vae, dit = _vae().to(torch.bfloat16), _dit()
+    aligner = HierarchicalPriorAligner.for_diffusers(
+        vae, dit, [LEVELS[0], "quant_conv"], block_index=1
+    )
+    assert [p[-1].out_features for p in aligner.projectors] == [8, 8]
+    aligner.remove()
+    with pytest.raises(InputError, match="'decoder.mid_block' is not run by vae.encode"):
+        HierarchicalPriorAligner.for_diffusers(vae, dit, ["decoder.mid_block"], block_index=1)
+    assert not any(m._forward_hooks for m in vae.modules())
+
+
+def test_the_learned_router_runs_in_its_own_dtype():
+    router = TimestepRouter(3).to(torch.bfloat16)
+    assert router(torch.tensor([0.1, 0.9])).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("setting", "match"),
+    [
+        ({"projector_dim": 0}, "projector_dim must be an int >= 1, got 0"),
+        ({"prior_sigma": 0.0}, "prior_sigma must be finite and > 0, got 0.0"),
+        (
+            {"prior_sigma": -1.0, "prior_kl_weight": 0.1},
+            "prior_sigma must be finite and > 0, got -1.0",
+        ),
+        (
+            {"entropy_weight": float("nan")},
+            "entropy_weight and prior_kl_weight must be finite and >= 0",
+        ),
+        ({"block_index": 1.0}, "block_index must be an int, got 1.0"),
+        ({"hidden_size": 0}, "hidden_size must be an int >= 1, got 0"),
+        ({"level_channels": [16, 0]}, r"level_channels must be ints >= 1, got \[16, 0\]"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_hook(setting, match):
+    vae, dit = _vae(), _dit()
+    kwargs = {"level_channels": [8, 16], "block_index": 1, "hidden_size": 16, **setting}
+    with pytest.raises(InputError, match=match):
+        HierarchicalPriorAligner(
+            vae, dit.transformer_blocks, LEVELS[:2], token_grid=(4, 4), **kwargs
+        )
+    assert not any(m._forward_hooks for m in [*vae.modules(), *dit.modules()])
