@@ -13,7 +13,12 @@ from torch import Tensor
 from torch.nn import functional as F
 from torchmetrics.classification import BinaryAUROC
 
-from ada_modules.data.modality_conflict import ITEM_KINDS, ModalityConflictItems, with_instruction
+from ada_modules.data.modality_conflict import (
+    ITEM_KINDS,
+    ModalityConflictDataModule,
+    ModalityConflictItems,
+    with_instruction,
+)
 from ada_modules.data.tokenizer import CharTokenizer
 from ada_modules.errors import InputError
 from ada_modules.models.image_text_qa import (
@@ -61,11 +66,17 @@ def instruction_steering_vector(
 class ModalitySteeringModule(LightningModule):
     """Steer a trained :class:`~ada_modules.models.ImageTextQAModule` towards one modality.
 
-    ``setup`` loads the frozen model from ``base_checkpoint`` and computes the steering vector as
-    MC² does: the mean difference of the hidden state at the prompt's last position, ``layer``'s
-    output, between training conflicts instructed to follow the image and the same items
-    instructed to follow the text (negated to steer towards the text). It is then added, times a
-    strength, to that layer's output while the model answers un-instructed questions.
+    ``configure_model`` loads the frozen model from ``base_checkpoint``, and ``setup`` computes
+    the steering vector from the datamodule's training split as MC² does: the mean difference of
+    the hidden state at the prompt's last position, ``layer``'s output, between training
+    conflicts instructed to follow the image and the same items instructed to follow the text
+    (negated to steer towards the text). It is then added, times a strength, to that layer's
+    output while the model answers un-instructed questions.
+
+    A checkpoint of the module holds the base model, the steering vector and the learned
+    predictor: ``Trainer.test(..., ckpt_path=...)`` or ``load_from_checkpoint`` (which then tests
+    on plain dataloaders, no datamodule needed) restore them; both read ``base_checkpoint`` to
+    build the base model first.
 
     ``strength`` picks the strength per question:
 
@@ -169,15 +180,11 @@ class ModalitySteeringModule(LightningModule):
 
     # -- setup ----------------------------------------------------------------------------------
 
-    def setup(self, stage: str) -> None:
-        """Load the frozen base model and compute the steering vector (once)."""
+    def configure_model(self) -> None:
+        """Load the frozen base model from ``base_checkpoint`` and create the strength predictor
+        (once). ``setup`` calls it, and so does ``load_from_checkpoint`` before loading weights."""
         if self.base is not None:
             return
-        if stage == "fit" and self.hparams.strength != "learned":
-            raise InputError(
-                f"strength={self.hparams.strength!r} has nothing to train; run `ada test` (only "
-                "strength='learned' is fitted)"
-            )
         if not Path(self.hparams.base_checkpoint).is_file():
             raise InputError(
                 f"base_checkpoint {self.hparams.base_checkpoint!r} is not a file; train the model "
@@ -194,13 +201,38 @@ class ModalitySteeringModule(LightningModule):
                 f"decoder layers (0..{num_layers - 1})"
             )
         self.base = base.to(self.device)
-        hidden = int(base.model.lm.config.hidden_size)
         if self.hparams.strength == "learned":
+            hidden = int(base.model.lm.config.hidden_size)
             self.predictor = StrengthPredictor(hidden, max_strength=float(self.hparams.alpha)).to(
                 self.device
             )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Take the saved steering vector's shape: loading restores the vector ``setup`` would
+        compute, so a module from ``load_from_checkpoint`` needs no datamodule."""
+        self.direction_vector = torch.empty_like(checkpoint["state_dict"]["direction_vector"])
+
+    def setup(self, stage: str) -> None:
+        """Load the base model and compute the steering vector from the datamodule's training
+        split (unless a checkpoint restored it)."""
+        if stage == "fit" and self.hparams.strength != "learned":
+            raise InputError(
+                f"strength={self.hparams.strength!r} has nothing to train; run `ada test` (only "
+                "strength='learned' is fitted)"
+            )
+        if self.direction_vector.numel() > 0:
+            return
+        datamodule = self.trainer.datamodule
+        if not isinstance(datamodule, ModalityConflictDataModule):
+            raise InputError(
+                "ModalitySteeringModule needs the ModalityConflictDataModule to compute its "
+                f"steering vector from the training split, got datamodule={datamodule!r}: pass "
+                "datamodule=..., or load a trained module with "
+                "ModalitySteeringModule.load_from_checkpoint(path), which restores the vector"
+            )
+        self.configure_model()
         vector = instruction_steering_vector(
-            base.model, self.trainer.datamodule.items("train"), self.hparams.layer,
+            self.base.model, datamodule.items("train"), self.hparams.layer,
             self.hparams.contrast_items,
         )  # fmt: skip
         direction = vector.directions[self.hparams.layer]

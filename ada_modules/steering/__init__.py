@@ -1,6 +1,6 @@
 """Activation steering (AMPS): steering vectors from contrastive activations applied with forward
-hooks on any transformers decoder, the Modality Contribution Ratio, instance-aware strengths and
-generation-collapse measures. The LightningModule is
+hooks on transformers decoders (see :func:`decoder_layers`), the Modality Contribution Ratio,
+instance-aware strengths and generation-collapse measures. The LightningModule is
 :class:`ada_modules.models.ModalitySteeringModule`."""
 
 from ada_modules.steering.collapse import (

@@ -48,5 +48,10 @@ def unparseable_fraction(texts: Sequence[str], pattern: str) -> float:
     """
     if not texts:
         raise InputError("texts must hold at least one text, got none")
-    compiled = re.compile(pattern)
+    try:
+        compiled = re.compile(pattern)
+    except re.error as error:
+        raise InputError(
+            f"pattern {pattern!r} is not a valid regular expression: {error}"
+        ) from error
     return sum(compiled.fullmatch(t) is None for t in texts) / len(texts)

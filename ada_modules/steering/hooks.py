@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
+from numbers import Real
 from typing import Any, Literal
 
 import torch
@@ -21,11 +23,12 @@ TokenScope = Literal["all", "last"] | int
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The ``nn.ModuleList`` of decoder layers of a transformers model (or of a model holding one).
 
-    Looks for ``model.model.layers`` (Llama, Qwen2, Mistral, ...), ``model.get_decoder().layers``,
-    ``model.layers`` and ``model.language_model`` / ``model.lm`` in turn.
+    Looks in ``model.model`` (Llama, Qwen2, Mistral, ...), ``model.get_decoder()`` (OPT, GPT-NeoX,
+    GPT-2, ...) and ``model`` itself, then in ``model.language_model`` and ``model.lm``, for a
+    ``.layers`` or ``.h`` (GPT-2, GPT-J, Falcon, Bloom) ``ModuleList``.
 
     Raises:
-        TypeError: If none of them is a ``ModuleList``, naming the model's class.
+        TypeError: If none is found, naming the model's class.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -37,16 +40,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     for candidate in (model, getattr(model, "language_model", None), getattr(model, "lm", None)):
         if candidate is None:
             continue
-        inner = getattr(candidate, "model", None)
-        if isinstance(getattr(inner, "layers", None), nn.ModuleList):
-            return inner.layers
+        holders = [getattr(candidate, "model", None), candidate]
         if hasattr(candidate, "get_decoder"):
-            layers = getattr(candidate.get_decoder(), "layers", None)
-            if isinstance(layers, nn.ModuleList):
-                return layers
-        if isinstance(getattr(candidate, "layers", None), nn.ModuleList):
-            return candidate.layers
-    raise InputError(f"{type(model).__name__} has no decoder layers (.model.layers) to hook")
+            holders.insert(1, candidate.get_decoder())
+        for holder in holders:
+            for name in ("layers", "h"):
+                layers = getattr(holder, name, None)
+                if isinstance(layers, nn.ModuleList):
+                    return layers
+    raise InputError(
+        f"{type(model).__name__} has no decoder layers to hook (no .layers or .h ModuleList in "
+        ".model, .get_decoder(), the model itself, .language_model or .lm)"
+    )
 
 
 def _checked_layers(model: nn.Module, layer_ids: list[int]) -> list[nn.Module]:
@@ -105,11 +110,15 @@ def _record(states: list[Tensor], _module: nn.Module, _args: tuple[Any, ...], ou
 
 
 def _strength_tensor(strength: float | Tensor) -> Tensor:
-    if isinstance(strength, bool) or not isinstance(strength, float | int | Tensor):
+    if isinstance(strength, bool) or not isinstance(strength, Real | Tensor):
         raise InputError(f"strength must be a number or a tensor, got {type(strength).__name__}")
-    tensor = torch.as_tensor(strength, dtype=torch.float32)
+    if isinstance(strength, Tensor) and (strength.is_complex() or strength.dtype == torch.bool):
+        raise InputError(f"strength must be real, got dtype {strength.dtype}")
+    tensor = strength.float() if isinstance(strength, Tensor) else torch.tensor(float(strength))
     if tensor.dim() > 1:
         raise InputError(f"strength must be a scalar or (batch,), got shape {tuple(tensor.shape)}")
+    if tensor.numel() == 0:
+        raise InputError("strength must hold at least one value, got an empty tensor")
     if not torch.isfinite(tensor).all():
         raise InputError(f"strength must be finite, got {strength!r}")
     return tensor
@@ -150,18 +159,23 @@ def steer(
         model: A transformers causal LM (or a model holding one, see :func:`decoder_layers`).
         vector: The directions, by layer index.
         strength: One multiplier, or one per batch row (``(batch,)``), e.g. from
-            :func:`~ada_modules.steering.mcr_scaled_strength`.
+            :func:`~ada_modules.steering.mcr_scaled_strength`. A batch that is a whole
+            multiple ``k`` of its length gets each entry for ``k`` consecutive rows, as
+            ``generate`` repeats each prompt for beam search and ``num_return_sequences``.
         token_scope: ``all`` positions; ``last``: the last position of each forward call (the
-            end of the prompt, then each generated token when decoding with a cache); an int
-            ``k``: positions ``>= k`` (from the layers' ``position_ids``).
+            end of the prompt, then each generated token when decoding with a cache; without a
+            cache, ``generate`` recomputes the earlier generated tokens unsteered, and ``steer``
+            warns); an int ``k``: positions ``>= k`` (from the layers' ``position_ids``, which
+            ``generate`` derives from the attention mask but a plain ``model(...)`` call does
+            not: pass ``position_ids`` for a left-padded batch).
 
     Raises:
-        ValueError: If a layer is out of range, ``strength`` is not finite or ``token_scope`` is
-            unknown (on entry); if the vector's width is not the steered layer's output width
-            (the hidden size; ``n * hidden`` for multi-stream layers) or a per-row strength does
-            not match the batch (at the first forward call); if an int ``token_scope`` selected
-            no token in any forward call of the block (on exit). The hooks are gone in each
-            case.
+        ValueError: If a layer is out of range, ``strength`` is not a finite real number or
+            tensor or ``token_scope`` is unknown (on entry); if the vector's width is not the
+            steered layer's output width (the hidden size; ``n * hidden`` for multi-stream
+            layers) or a per-row strength does not match the batch (at the first forward call);
+            if an int ``token_scope`` selected no token in any forward call of the block (on
+            exit). The hooks are gone in each case.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -180,7 +194,10 @@ def steer(
         raise InputError(f"token_scope must be 'all', 'last' or an int >= 0, got {token_scope!r}")
     scale = _strength_tensor(strength)
     modules = _checked_layers(model, vector.layers)
-    hooks = [_SteeringHook(vector, layer, scale, token_scope) for layer in vector.layers]
+    hooks = [
+        _SteeringHook(vector, layer, scale, token_scope, watch_cache=i == 0)
+        for i, layer in enumerate(vector.layers)
+    ]
     handles = []
     try:
         for hook, module in zip(hooks, modules, strict=True):
@@ -196,13 +213,23 @@ def steer(
 
 
 class _SteeringHook:
-    """Adds ``scale * direction`` of one layer at the scoped positions; counts them."""
+    """Adds ``scale * direction`` of one layer at the scoped positions; counts them. With
+    ``watch_cache``, warns once when ``last`` meets a generation without a KV cache."""
 
-    def __init__(self, vector: SteeringVector, layer: int, scale: Tensor, token_scope: TokenScope):
+    def __init__(
+        self,
+        vector: SteeringVector,
+        layer: int,
+        scale: Tensor,
+        token_scope: TokenScope,
+        watch_cache: bool,
+    ) -> None:
         self.direction = vector.directions[layer]
         self.layer = layer
         self.scale = scale
         self.token_scope = token_scope
+        self.watch_cache = watch_cache and token_scope == "last"
+        self.previous_length: int | None = None
         self.selected = 0
 
     def __call__(
@@ -214,13 +241,18 @@ class _SteeringHook:
                 f"the steering vector's width {self.direction.numel()} differs from layer "
                 f"{self.layer}'s output width {hidden.shape[-1]}"
             )
+        if self.watch_cache:
+            self._warn_without_cache(hidden.shape[1])
         factor = self.scale.to(hidden.device, torch.float32)
         if factor.dim() == 1:
-            if factor.numel() != hidden.shape[0]:
+            rows = hidden.shape[0]
+            if rows % factor.numel() != 0:
                 raise InputError(
-                    f"strength has {factor.numel()} entries but the batch has {hidden.shape[0]} rows"
+                    f"strength has {factor.numel()} entries but the batch has {rows} rows: it "
+                    "needs one per row, or one per prompt of a batch that repeats each prompt "
+                    "a whole number of times in a row (beams, num_return_sequences)"
                 )
-            factor = factor.view(-1, 1, 1)
+            factor = factor.repeat_interleave(rows // factor.numel()).view(-1, 1, 1)
         delta = factor * self.direction.to(hidden.device, torch.float32)
         mask = _scope_mask(self.token_scope, hidden, kwargs)
         if mask is not None:
@@ -229,3 +261,17 @@ class _SteeringHook:
         else:
             self.selected += hidden.shape[1]
         return _replace_hidden(output, (hidden.float() + delta).to(hidden.dtype))
+
+    def _warn_without_cache(self, length: int) -> None:
+        """A call one token longer than the previous one re-runs the sequence without a cache."""
+        if self.previous_length is not None and length == self.previous_length + 1:
+            warnings.warn(
+                "token_scope='last' steers only the last position of each forward call, and a "
+                "generation without a KV cache (use_cache=False) recomputes the earlier "
+                "generated positions unsteered at each step; generate with a cache, or pass "
+                "token_scope=<prompt length - 1> to steer the prompt's end and every generated "
+                "token",
+                stacklevel=2,
+            )
+            self.watch_cache = False
+        self.previous_length = length

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from ada_modules.errors import InputError
+from ada_modules.steering._checks import check_real
 
 __all__ = ["answer_divergence", "attention_share", "modality_contribution_ratio"]
 
@@ -18,7 +20,8 @@ def answer_divergence(p_logits: Tensor, q_logits: Tensor, divergence: Divergence
     """Per-row divergence ``D(p || q)`` of two answer distributions given as logits ``(..., k)``.
 
     ``kl`` is the Kullback-Leibler divergence, ``js`` the Jensen-Shannon divergence (symmetric,
-    at most ``log 2``).
+    at most ``log 2``). Computed in float32 whatever the logits' and torch's default dtype. A
+    ``-inf`` logit marks an impossible option; NaN and ``+inf`` are refused.
 
     Example:
         >>> same = torch.tensor([[2.0, 0.0]])
@@ -27,18 +30,38 @@ def answer_divergence(p_logits: Tensor, q_logits: Tensor, divergence: Divergence
         >>> round(answer_divergence(torch.tensor([[50.0, 0.0]]), torch.tensor([[0.0, 50.0]])).item(), 4)
         0.6931
     """
+    _check_divergence(divergence)
+    _check_logits(p_logits=p_logits, q_logits=q_logits)
+    return _divergence(p_logits, q_logits, divergence)
+
+
+def _check_divergence(divergence: object) -> None:
     if divergence not in ("kl", "js"):
         raise InputError(f"divergence must be 'kl' or 'js', got {divergence!r}")
-    if p_logits.shape != q_logits.shape:
-        raise InputError(
-            f"the two answer distributions differ in shape: {tuple(p_logits.shape)} vs "
-            f"{tuple(q_logits.shape)}"
-        )
+
+
+def _check_logits(**logits: Tensor) -> None:
+    """Each a tensor without NaN or ``+inf``, all of one shape; the errors name the argument."""
+    for name, value in logits.items():
+        if not isinstance(value, Tensor):
+            raise InputError(f"{name} must be a tensor, got {type(value).__name__}")
+        if (value.isnan() | value.isposinf()).any():
+            raise InputError(f"{name} holds NaN or +inf (-inf marks an impossible option)")
+    (first, reference), *others = logits.items()
+    for name, value in others:
+        if value.shape != reference.shape:
+            raise InputError(
+                f"the two answer distributions differ in shape: {first} {tuple(reference.shape)} "
+                f"vs {name} {tuple(value.shape)}"
+            )
+
+
+def _divergence(p_logits: Tensor, q_logits: Tensor, divergence: Divergence) -> Tensor:
     log_p = torch.log_softmax(p_logits.float(), dim=-1)
     log_q = torch.log_softmax(q_logits.float(), dim=-1)
     if divergence == "kl":
         return _kl(log_p, log_q)
-    log_m = torch.logsumexp(torch.stack([log_p, log_q]), dim=0) - torch.log(torch.tensor(2.0))
+    log_m = torch.logsumexp(torch.stack([log_p, log_q]), dim=0) - math.log(2.0)
     return 0.5 * (_kl(log_p, log_m) + _kl(log_q, log_m))
 
 
@@ -76,10 +99,15 @@ def modality_contribution_ratio(
         >>> modality_contribution_ratio(full, no_image, no_text).round(decimals=3).tolist()
         [0.0, 1.0]
     """
-    if not eps > 0:
-        raise InputError(f"eps must be > 0, got {eps!r}")
-    d_image = answer_divergence(full_logits, without_image_logits, divergence)
-    d_text = answer_divergence(full_logits, without_text_logits, divergence)
+    eps = check_real("eps", eps, "a finite number > 0", lambda x: 0 < x < math.inf)
+    _check_divergence(divergence)
+    _check_logits(
+        full_logits=full_logits,
+        without_image_logits=without_image_logits,
+        without_text_logits=without_text_logits,
+    )
+    d_image = _divergence(full_logits, without_image_logits, divergence)
+    d_text = _divergence(full_logits, without_text_logits, divergence)
     return (d_image + eps) / (d_image + d_text + 2 * eps)
 
 
@@ -94,7 +122,8 @@ def attention_share(attentions: tuple[Tensor, ...] | list[Tensor], image_mask: T
 
     Args:
         attentions: One ``(batch, heads, seq, seq)`` tensor per layer, e.g. the
-            ``attentions`` of a transformers model called with ``output_attentions=True``.
+            ``attentions`` of a transformers model called with ``output_attentions=True`` and
+            loaded with ``attn_implementation="eager"`` (sdpa and flash attention return none).
         image_mask: ``(batch, seq)`` booleans.
 
     Example:
@@ -103,8 +132,18 @@ def attention_share(attentions: tuple[Tensor, ...] | list[Tensor], image_mask: T
         >>> attention_share([attn], torch.tensor([[True, False, False]])).tolist()
         [0.6000000238418579]
     """
-    if len(attentions) == 0:
-        raise InputError("attentions must hold at least one layer, got none")
+    if len(attentions) == 0 or any(a is None for a in attentions):
+        raise InputError(
+            "attentions must hold one attention tensor per layer, got "
+            f"{'none' if len(attentions) == 0 else 'None'}: transformers returns no attention "
+            'weights with sdpa or flash attention; load the model with attn_implementation="eager"'
+        )
+    for i, a in enumerate(attentions):
+        if not isinstance(a, Tensor) or a.dim() != 4:
+            raise InputError(
+                f"attentions[{i}] must be (batch, heads, seq, seq), got "
+                f"{tuple(a.shape) if isinstance(a, Tensor) else type(a).__name__}"
+            )
     stacked = torch.stack([a[:, :, -1, :].float() for a in attentions])  # (layers, b, heads, seq)
     if image_mask.shape != stacked.shape[1:2] + stacked.shape[3:]:
         raise InputError(

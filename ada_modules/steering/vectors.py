@@ -22,7 +22,12 @@ class SteeringVector:
 
     ``directions[layer]`` is a ``(hidden,)`` tensor. Build one with :meth:`from_activations` from
     hidden states of inputs that show the wanted behaviour (``positive``) and inputs that show its
-    opposite (``negative``); apply it with :func:`ada_modules.steering.steer`.
+    opposite (``negative``); apply it with :func:`ada_modules.steering.steer`. The vector holds
+    detached copies of the tensors it is given.
+
+    To save one, save its ``directions`` (a plain ``{layer: tensor}`` dict that the default
+    ``torch.load(..., weights_only=True)`` reads) and rebuild it with ``SteeringVector(loaded)``;
+    ``torch.save(vector)`` pickles the class, which only ``weights_only=False`` loads.
 
     Example:
         >>> pos = {1: torch.tensor([[2.0, 0.0], [4.0, 0.0]])}
@@ -32,6 +37,12 @@ class SteeringVector:
         ([3.0, -1.0], 2)
         >>> round(vector.normalized().directions[1].norm().item(), 6)
         1.0
+        >>> import io
+        >>> buffer = io.BytesIO()
+        >>> torch.save(vector.directions, buffer)
+        >>> _ = buffer.seek(0)
+        >>> SteeringVector(torch.load(buffer)).directions[1].tolist()
+        [3.0, -1.0]
     """
 
     directions: dict[int, Tensor]
@@ -53,6 +64,8 @@ class SteeringVector:
             widths.add(direction.numel())
         if len(widths) > 1:
             raise InputError(f"directions must all have one width, got widths {sorted(widths)}")
+        copies = {layer: direction.detach().clone() for layer, direction in self.directions.items()}
+        object.__setattr__(self, "directions", copies)  # the dataclass is frozen
 
     @property
     def hidden_size(self) -> int:
@@ -82,8 +95,8 @@ class SteeringVector:
                 mean difference's length along it.
 
         Raises:
-            ValueError: If the layers differ, a tensor is not 2-D, widths differ, ``pca_diff``
-                gets unpaired sets, or ``method`` is unknown.
+            ValueError: If the layers differ, a value is not a 2-D tensor, widths differ,
+                ``pca_diff`` gets unpaired sets, or ``method`` is unknown.
         """
         if method not in _METHODS:
             raise InputError(f"method must be one of {', '.join(_METHODS)}, got {method!r}")
@@ -96,6 +109,10 @@ class SteeringVector:
         for layer in sorted(positive):
             pos, neg = positive[layer], negative[layer]
             for name, states in (("positive", pos), ("negative", neg)):
+                if not isinstance(states, Tensor):
+                    raise InputError(
+                        f"{name}[{layer}] must be a tensor, got {type(states).__name__}"
+                    )
                 if states.dim() != 2 or states.shape[0] == 0:
                     raise InputError(
                         f"{name}[{layer}] must be (n, hidden) with n >= 1, got {tuple(states.shape)}"

@@ -128,6 +128,16 @@ def test_learned_strength_trains_reloads_and_repeats(base_checkpoint, tmp_path):
     for a, b in zip(module.predictor.parameters(), fresh.predictor.parameters(), strict=True):
         assert torch.equal(a, b)
     assert 0.0 <= metrics["test/mean_strength"] <= 4.0 and math.isfinite(metrics["test/repetition"])
+    # load_from_checkpoint restores the base model, the predictor and the steering vector: it
+    # tests on plain dataloaders (no datamodule needed) and gives the same metrics
+    loaded = ModalitySteeringModule.load_from_checkpoint(path)
+    assert torch.equal(loaded.direction_vector, module.direction_vector)
+    for a, b in zip(module.predictor.parameters(), loaded.predictor.parameters(), strict=True):
+        assert torch.equal(a, b)
+    data = _data()
+    data.setup("test")
+    again = _trainer().test(loaded, dataloaders=data.test_dataloader(), verbose=False)[0]
+    assert again == metrics
 
 
 def test_fitting_a_strength_that_has_nothing_to_train_raises(base_checkpoint):
@@ -140,6 +150,14 @@ def test_a_layer_beyond_the_base_model_raises(base_checkpoint):
     module = ModalitySteeringModule(str(base_checkpoint), layer=3)
     with pytest.raises(InputError, match="layer 3 is out of range: the base model has 1"):
         _trainer().test(module, datamodule=_data(), verbose=False)
+
+
+def test_testing_without_a_datamodule_raises(base_checkpoint):
+    data = _data()
+    data.setup("test")
+    module = ModalitySteeringModule(str(base_checkpoint))
+    with pytest.raises(InputError, match="needs the ModalityConflictDataModule"):
+        _trainer().test(module, dataloaders=data.test_dataloader(), verbose=False)
 
 
 def test_a_missing_base_checkpoint_raises(tmp_path):

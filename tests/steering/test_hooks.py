@@ -4,9 +4,12 @@ exactly the positions and rows they name, ``generate`` with a KV cache is steere
 hidden state is the plain one plus ``strength * direction``, and bad input is named."""
 
 import math
+import warnings
 
+import numpy as np
 import pytest
 import torch
+import transformers
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
@@ -202,6 +205,90 @@ def test_int_scope_in_generate_reads_positions_from_the_cache() -> None:
     assert not torch.allclose(steered.scores[1], plain.scores[1])
 
 
+def test_per_row_strength_follows_each_prompt_into_its_beams_and_returned_sequences() -> None:
+    """generate repeats each prompt ``k`` times in a row: strength row ``i`` covers them all."""
+    model = _model()
+    beams = {"num_beams": 2, "num_return_sequences": 2, "max_new_tokens": 3, "do_sample": False}
+    plain = model.generate(IDS, **beams)
+    with steer(model, _vector(), strength=8.0, token_scope="last"):
+        uniform = model.generate(IDS, **beams)
+    with steer(model, _vector(), strength=torch.tensor([8.0, 8.0]), token_scope="last"):
+        per_row = model.generate(IDS, **beams)
+    with steer(model, _vector(), strength=torch.tensor([0.0, 8.0]), token_scope="last"):
+        first_unsteered = model.generate(IDS, **beams)
+    assert torch.equal(per_row, uniform) and not torch.equal(uniform, plain)
+    assert torch.equal(first_unsteered[:2], plain[:2])  # prompt 0's two returned sequences
+    assert torch.equal(first_unsteered[2:], uniform[2:])
+
+
+def test_last_scope_without_a_cache_warns_once() -> None:
+    """Without a KV cache every step recomputes the earlier generated positions unsteered."""
+    model = _model()
+    with pytest.warns(UserWarning, match="use_cache=False") as record:
+        with steer(model, _vector(), strength=8.0, token_scope="last"):
+            model.generate(IDS, max_new_tokens=3, do_sample=False, use_cache=False)
+    assert len([w for w in record if "use_cache=False" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with steer(model, _vector(), strength=8.0, token_scope="last"):
+            model.generate(IDS, max_new_tokens=3, do_sample=False)
+            _logits(model)
+            _logits(model)
+
+
+# ------------------------------------------------------------------ left padding
+
+
+def test_int_scope_counts_padding_in_a_plain_forward_unless_position_ids_are_passed() -> None:
+    """Pins the documented limit: a plain ``model(...)`` call does not derive ``position_ids``
+    from the attention mask (``generate`` does), so ``k`` counts the left padding unless the
+    caller passes them."""
+    model = _model()
+    tokens = IDS[:1, :4]
+    padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), tokens], dim=1)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad(), steer(model, _vector(), strength=8.0, token_scope=2):
+        alone = model(tokens).logits
+        counted = model(padded, attention_mask=mask).logits[:, 2:]
+        aligned = model(padded, attention_mask=mask, position_ids=positions).logits[:, 2:]
+    torch.testing.assert_close(aligned, alone, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(counted, alone, atol=1e-3)
+
+
+# ------------------------------------------------------------------ architectures
+
+
+def _tiny(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    size = {"vocab_size": 32, "n_embd": HIDDEN, "n_layer": 2, "n_head": 2}
+    configs = {
+        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(**size)),
+        "gptj": lambda: transformers.GPTJForCausalLM(transformers.GPTJConfig(**size, rotary_dim=4)),
+        "bloom": lambda: transformers.BloomForCausalLM(
+            transformers.BloomConfig(vocab_size=32, hidden_size=HIDDEN, n_layer=2, n_head=2)
+        ),
+        "falcon": lambda: transformers.FalconForCausalLM(
+            transformers.FalconConfig(
+                vocab_size=32, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=2
+            )
+        ),
+    }
+    return configs[name]().eval()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gptj", "bloom", "falcon"])
+def test_decoders_that_keep_their_blocks_in_transformer_h_are_steered(name: str) -> None:
+    model = _tiny(name)
+    assert decoder_layers(model) is model.transformer.h
+    plain = _logits(model)
+    with steer(model, _vector((1,)), strength=8.0, token_scope="last"):
+        steered = _logits(model)
+    assert torch.equal(steered[:, :-1], plain[:, :-1])
+    assert not torch.allclose(steered[:, -1], plain[:, -1])
+    assert _no_hooks(model) and torch.equal(_logits(model), plain)
+
+
 # ------------------------------------------------------------------ capture
 
 
@@ -251,6 +338,9 @@ def test_vector_width_different_from_hidden_size_raises() -> None:
         ("1.0", "strength must be a number or a tensor, got str"),
         (True, "strength must be a number or a tensor, got bool"),
         (torch.ones(2, 1), r"strength must be a scalar or \(batch,\), got shape \(2, 1\)"),
+        (torch.tensor([1 + 1j, 1]), "strength must be real, got dtype torch.complex64"),
+        ([1.0, 2.0], "strength must be a number or a tensor, got list"),
+        (torch.ones(0), "strength must hold at least one value, got an empty tensor"),
     ],
 )
 def test_bad_strength_raises_on_entry(strength: object, match: str) -> None:
@@ -261,9 +351,20 @@ def test_bad_strength_raises_on_entry(strength: object, match: str) -> None:
     assert _no_hooks(model)
 
 
+@pytest.mark.parametrize("strength", [np.float32(4.0), np.int64(4), torch.tensor(4)])
+def test_real_scalar_strengths_are_accepted(strength: object) -> None:
+    model = _model()
+    with steer(model, _vector(), strength=4.0):
+        expected = _logits(model)
+    with steer(model, _vector(), strength=strength):
+        assert torch.equal(_logits(model), expected)
+
+
 def test_strength_of_wrong_batch_length_raises_and_removes_hooks() -> None:
     model = _model()
-    with pytest.raises(InputError, match="strength has 3 entries but the batch has 2 rows"):
+    with pytest.raises(
+        InputError, match="strength has 3 entries but the batch has 2 rows: it needs"
+    ):
         with steer(model, _vector(), strength=torch.ones(3)):
             _logits(model)
     assert _no_hooks(model)

@@ -63,10 +63,10 @@ def test_mcr_is_in_unit_interval_and_swapping_ablations_gives_the_complement(
     torch.testing.assert_close(mcr + swapped, torch.ones(256))
 
 
-@pytest.mark.parametrize("eps", [0.0, -1e-3, math.nan])
+@pytest.mark.parametrize("eps", [0.0, -1e-3, math.nan, math.inf, "1e-6"])
 def test_mcr_with_non_positive_eps_raises(eps: float) -> None:
     x = torch.zeros(1, 2)
-    with pytest.raises(InputError, match="eps must be > 0"):
+    with pytest.raises(InputError, match="eps must be a finite number > 0"):
         modality_contribution_ratio(x, x, x, eps=eps)
 
 
@@ -99,8 +99,50 @@ def test_js_is_symmetric_bounded_and_kl_non_negative() -> None:
 
 
 def test_answer_divergence_shape_mismatch_raises() -> None:
-    with pytest.raises(InputError, match=r"differ in shape: \(2, 3\) vs \(2, 4\)"):
+    with pytest.raises(
+        InputError, match=r"differ in shape: p_logits \(2, 3\) vs q_logits \(2, 4\)"
+    ):
         answer_divergence(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+def test_divergences_do_not_depend_on_the_default_dtype() -> None:
+    """Under Lightning's ``bf16-true`` the default dtype is bfloat16: log 2 must not follow it."""
+    full = torch.tensor([[0.83, 0.72], [0.90, 0.60]])
+    no_image = torch.tensor([[0.80, 0.75], [0.20, 1.00]])
+    no_text = torch.tensor([[0.85, 0.70], [0.95, 0.55]])
+    expected = modality_contribution_ratio(full, no_image, no_text)
+    expected_js = answer_divergence(full, no_image)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        mcr = modality_contribution_ratio(full, no_image, no_text)
+        js = answer_divergence(full, no_image)
+    finally:
+        torch.set_default_dtype(default)
+    torch.testing.assert_close(js, expected_js)
+    torch.testing.assert_close(mcr, expected)
+    assert abs(mcr[0].item() - 0.5) > 0.1  # a small divergence is not rounded to 0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_or_positive_infinite_logits_raise(bad: float) -> None:
+    full = torch.tensor([[bad, 0.0]])
+    with pytest.raises(InputError, match="full_logits holds NaN or \\+inf"):
+        modality_contribution_ratio(full, torch.zeros(1, 2), torch.zeros(1, 2))
+    with pytest.raises(InputError, match="q_logits holds NaN or \\+inf"):
+        answer_divergence(torch.zeros(1, 2), full)
+
+
+def test_minus_infinite_logits_mark_impossible_options() -> None:
+    impossible = torch.tensor([[0.0, -math.inf]])
+    assert answer_divergence(impossible, impossible).item() == 0.0
+
+
+def test_logits_that_are_not_tensors_raise() -> None:
+    with pytest.raises(InputError, match="without_text_logits must be a tensor, got list"):
+        modality_contribution_ratio(torch.zeros(1, 2), torch.zeros(1, 2), [[0.0, 1.0]])
+    with pytest.raises(InputError, match="p_logits must be a tensor, got list"):
+        answer_divergence([[1.0, 0.0]], torch.zeros(1, 2))
 
 
 def test_unknown_divergence_raises() -> None:
@@ -147,5 +189,19 @@ def test_attention_share_mask_shape_mismatch_raises() -> None:
 
 
 def test_attention_share_without_layers_raises() -> None:
-    with pytest.raises(InputError, match="at least one layer"):
+    with pytest.raises(InputError, match="one attention tensor per layer, got none"):
         attention_share([], torch.ones(1, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("attentions", [(), (None, None)])
+def test_attention_share_without_weights_points_to_eager_attention(attentions: tuple) -> None:
+    """transformers returns no weights (``()`` or ``None`` per layer) with sdpa/flash attention."""
+    with pytest.raises(InputError, match='attn_implementation="eager"'):
+        attention_share(attentions, torch.ones(1, 3, dtype=torch.bool))
+
+
+def test_attention_share_of_a_three_dimensional_attention_raises() -> None:
+    with pytest.raises(
+        InputError, match=r"attentions\[0\] must be \(batch, heads, seq, seq\), got \(2, 3, 3\)"
+    ):
+        attention_share([torch.rand(2, 3, 3)], torch.ones(2, 3, dtype=torch.bool))

@@ -4,6 +4,7 @@ measures (repeated n-grams, compressibility, parse failures), plus bad input."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,10 +46,21 @@ def test_mcr_scaled_strength_max_zero_gives_zero() -> None:
     assert torch.equal(mcr_scaled_strength(torch.tensor([0.0, 0.2]), 0.0), torch.zeros(2))
 
 
-@pytest.mark.parametrize("max_strength", [-1.0, math.nan, "8"])
+@pytest.mark.parametrize("max_strength", [-1.0, math.nan, math.inf, "8", True, torch.ones(2)])
 def test_mcr_scaled_strength_bad_max_strength_raises(max_strength: object) -> None:
-    with pytest.raises(InputError, match="max_strength must be a number >= 0"):
+    with pytest.raises(InputError, match="max_strength must be a finite number >= 0"):
         mcr_scaled_strength(torch.tensor([0.1]), max_strength)
+
+
+@pytest.mark.parametrize("max_strength", [np.float32(2.0), torch.tensor(2.0), 2])
+def test_mcr_scaled_strength_accepts_real_scalars(max_strength: object) -> None:
+    strength = mcr_scaled_strength(torch.tensor([0.25, 0.9]), max_strength)
+    torch.testing.assert_close(strength, torch.tensor([1.0, 0.0]))
+
+
+def test_mcr_scaled_strength_of_a_list_raises() -> None:
+    with pytest.raises(InputError, match="target_mcr must be a tensor, got list"):
+        mcr_scaled_strength([0.1, 0.2], 2.0)
 
 
 @pytest.mark.parametrize("threshold", [0.0, -0.1, 1.5, math.nan])
@@ -80,7 +92,7 @@ def test_predictor_output_stays_in_zero_to_max_strength() -> None:
     predictor = StrengthPredictor(hidden_size=8, width=4, max_strength=3.0, init_strength=1.0)
     with torch.no_grad():
         predictor.mlp[-1].weight.normal_(0, 50.0)  # a far-from-init predictor
-    out = predictor(1e3 * torch.randn(64, 8), torch.rand(64) * 10 - 5)
+    out = predictor(1e3 * torch.randn(64, 8), torch.rand(64))
     assert ((out >= 0) & (out <= 3.0)).all()
     assert out.min() < 0.5 and out.max() > 2.5  # the bound is used on both sides
 
@@ -107,7 +119,9 @@ def test_predictor_gradients_reach_every_parameter() -> None:
         ({"hidden_size": 0}, "hidden_size must be an int >= 1, got 0"),
         ({"hidden_size": 8.0}, "hidden_size must be an int >= 1, got 8.0"),
         ({"width": 0}, "width must be an int >= 1, got 0"),
-        ({"max_strength": 0.0}, "max_strength must be > 0, got 0.0"),
+        ({"max_strength": 0.0}, "max_strength must be a finite number > 0, got 0.0"),
+        ({"max_strength": math.inf}, "max_strength must be a finite number > 0, got inf"),
+        ({"max_strength": math.nan}, "max_strength must be a finite number > 0, got nan"),
         ({"init_strength": 0.0}, r"init_strength must be in \(0, max_strength=8.0\), got 0.0"),
         ({"init_strength": 8.0}, r"init_strength must be in \(0, max_strength=8.0\), got 8.0"),
         ({"max_strength": 2.0, "init_strength": 3.0}, "init_strength must be in"),
@@ -116,6 +130,45 @@ def test_predictor_gradients_reach_every_parameter() -> None:
 def test_predictor_bad_arguments_raise(kwargs: dict, match: str) -> None:
     with pytest.raises(InputError, match=match):
         StrengthPredictor(**{"hidden_size": 8, **kwargs})
+
+
+def test_predictor_accepts_real_scalar_strengths() -> None:
+    predictor = StrengthPredictor(8, max_strength=np.float32(4.0), init_strength=torch.tensor(2.0))
+    alpha = predictor(torch.randn(2, 8), torch.tensor([0.1, 0.9]))
+    torch.testing.assert_close(alpha, torch.full((2,), 2.0))
+
+
+def test_predictor_in_bfloat16_computes_in_its_parameter_dtype() -> None:
+    """Lightning's ``bf16-true`` casts the predictor; its inputs may come in another dtype."""
+    predictor = StrengthPredictor(8, max_strength=4.0, init_strength=1.0).to(torch.bfloat16)
+    hidden = torch.randn(3, 8, requires_grad=True)
+    alpha = predictor(hidden, torch.tensor([0.1, 0.5, 0.9]))
+    assert alpha.dtype == torch.bfloat16 and alpha.shape == (3,)
+    torch.testing.assert_close(alpha.float(), torch.ones(3), atol=0.02, rtol=0)
+    alpha.sum().backward()
+    assert all(p.grad is not None for p in predictor.parameters())
+
+
+@pytest.mark.parametrize(
+    ("hidden", "mcr", "match"),
+    [
+        (torch.randn(2, 9), torch.rand(2), r"hidden must be \(batch, 8\), got \(2, 9\)"),
+        (torch.randn(8), torch.rand(1), r"hidden must be \(batch, 8\), got \(8,\)"),
+        (torch.randn(2, 8), torch.rand(3), r"target_mcr must be \(batch,\) = \(2,\), got \(3,\)"),
+        (
+            torch.randn(2, 8),
+            torch.rand(2, 1),
+            r"target_mcr must be \(batch,\) = \(2,\), got \(2, 1\)",
+        ),
+        (torch.randn(2, 8), torch.tensor([math.nan, 0.5]), r"target_mcr must lie in \[0, 1\]"),
+        (torch.randn(2, 8), torch.tensor([5.0, 0.5]), r"target_mcr must lie in \[0, 1\]"),
+        ([[0.0] * 8], torch.rand(1), "hidden must be a tensor, got list"),
+        (torch.randn(2, 8), [0.1, 0.2], "target_mcr must be a tensor, got list"),
+    ],
+)
+def test_predictor_bad_inputs_raise(hidden: object, mcr: object, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        StrengthPredictor(8)(hidden, mcr)
 
 
 # ------------------------------------------------------------------ collapse measures
@@ -164,3 +217,8 @@ def test_unparseable_fraction_values() -> None:
 def test_unparseable_fraction_without_texts_raises() -> None:
     with pytest.raises(InputError, match="at least one text"):
         unparseable_fraction([], r"\d")
+
+
+def test_unparseable_fraction_with_an_invalid_pattern_raises() -> None:
+    with pytest.raises(InputError, match="pattern '\\(' is not a valid regular expression"):
+        unparseable_fraction(["a"], "(")

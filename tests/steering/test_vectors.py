@@ -2,6 +2,7 @@
 shared direction of paired differences and signs it towards the positives, ``normalized`` gives
 unit directions, plus the validation of directions and activations."""
 
+import io
 import math
 
 import pytest
@@ -72,6 +73,28 @@ def test_normalized_has_unit_norms_and_keeps_directions() -> None:
     torch.testing.assert_close(vector.directions[0], torch.tensor([3.0, 4.0]))  # not in place
 
 
+def test_the_vector_keeps_a_copy_of_the_callers_tensors() -> None:
+    direction = torch.ones(3, requires_grad=True)
+    directions = {0: direction}
+    vector = SteeringVector(directions)
+    with torch.no_grad():
+        direction.fill_(math.nan)
+    directions[1] = torch.ones(3)
+    assert torch.equal(vector.directions[0], torch.ones(3)) and vector.layers == [0]
+    assert not vector.directions[0].requires_grad
+
+
+def test_saving_the_directions_round_trips_with_weights_only_loading() -> None:
+    """The documented save path: ``torch.save(vector.directions)``, ``SteeringVector(load(...))``."""
+    vector = SteeringVector({0: _randn(4, seed=0), 2: _randn(4, seed=1)})
+    buffer = io.BytesIO()
+    torch.save(vector.directions, buffer)
+    buffer.seek(0)
+    loaded = SteeringVector(torch.load(buffer, weights_only=True))
+    assert loaded.layers == [0, 2]
+    assert all(torch.equal(loaded.directions[k], vector.directions[k]) for k in (0, 2))
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -111,6 +134,11 @@ def test_mismatched_layers_raise() -> None:
 def test_one_dimensional_activations_raise() -> None:
     with pytest.raises(InputError, match=r"positive\[0\] must be \(n, hidden\).*\(3,\)"):
         SteeringVector.from_activations({0: torch.ones(3)}, {0: torch.ones(2, 3)})
+
+
+def test_activations_that_are_not_tensors_raise() -> None:
+    with pytest.raises(InputError, match=r"positive\[0\] must be a tensor, got list"):
+        SteeringVector.from_activations({0: [[1.0, 2.0]]}, {0: torch.ones(1, 2)})
 
 
 def test_empty_activations_raise() -> None:
