@@ -179,8 +179,8 @@ class ConsolidationSimulator:
     def _orders(self, shape: tuple[int, ...]) -> dict[str, Tensor]:
         g = self._generator
         volume = torch.randint(1, 11, shape, generator=g).float()
-        weight = volume * (0.5 + 1.5 * torch.rand(shape, generator=g))
-        fill = 0.3 + 0.7 * torch.rand(shape, generator=g)
+        weight = volume * (0.5 + 1.5 * torch.rand(shape, generator=g, dtype=torch.float32))
+        fill = 0.3 + 0.7 * torch.rand(shape, generator=g, dtype=torch.float32)
         slack = torch.randint(0, self.max_slack + 1, shape, generator=g)
         zone = torch.randint(0, NUM_ZONES, shape, generator=g)
         return {"volume": volume, "weight": weight, "fill": fill, "slack": slack, "zone": zone}
@@ -196,7 +196,9 @@ class ConsolidationSimulator:
         self._generator = torch.Generator().manual_seed(int(seed))
         g = self._generator
         slots = self.max_candidates
-        arrival_rate = self.pick * (0.9 + 0.7 * torch.rand(num_envs, generator=g))
+        arrival_rate = self.pick * (
+            0.9 + 0.7 * torch.rand(num_envs, generator=g, dtype=torch.float32)
+        )
         first = torch.randint(self.min_candidates, slots + 1, (num_envs,), generator=g)
         orders = self._orders((num_envs, slots))
         # The first backlog mixes ages: some orders are already late.
@@ -241,7 +243,9 @@ class ConsolidationSimulator:
         if (picked & ~state.mask).any():
             raise InputError("chosen picks a slot that holds no open order")
         units = (state.volume * state.fill * picked).sum(1)
-        zone_hit = torch.zeros(num_envs, NUM_ZONES).scatter_add_(1, state.zone, picked.float())
+        zone_hit = torch.zeros(num_envs, NUM_ZONES, dtype=torch.float32).scatter_add_(
+            1, state.zone, picked.float()
+        )
         zones = (zone_hit > 0).sum(1).float()
         mask = state.mask & ~picked
         slack = state.slack - 1
@@ -395,7 +399,7 @@ def heuristic_scores(
     if heuristic == "volume":
         return units
     if heuristic == "random":
-        return torch.rand(state.mask.shape, generator=generator)
+        return torch.rand(state.mask.shape, generator=generator, dtype=torch.float32)
     if heuristic == "zone":
         zone_units = (features[..., _ZONE:] * units[..., None]).sum(1)
         best = zone_units.argmax(1, keepdim=True)
@@ -418,7 +422,7 @@ def _greedy_scores(state: ConsolidationState, worth: Tensor, objective: Objectiv
     )
     zone_best = in_zone.topk(pick, dim=-1).values.clamp(min=0).sum(-1)
     ranked = zone_best.argsort(dim=1, descending=True)
-    best_value = torch.full(worth.shape[:1], -math.inf)
+    best_value = torch.full(worth.shape[:1], -math.inf, dtype=torch.float32)
     best_scores = worth.clone()
     for m in range(1, NUM_ZONES + 1):
         allowed = (state.zone[..., None] == ranked[:, None, :m]).any(-1) & state.mask
@@ -426,7 +430,9 @@ def _greedy_scores(state: ConsolidationState, worth: Tensor, objective: Objectiv
             continue
         scores = worth + 1000.0 * allowed
         top = scores.topk(pick, dim=1).indices
-        hit = torch.zeros(worth.shape[0], NUM_ZONES).scatter_(1, state.zone.gather(1, top), 1.0)
+        hit = torch.zeros(worth.shape[0], NUM_ZONES, dtype=torch.float32).scatter_(
+            1, state.zone.gather(1, top), 1.0
+        )
         value = worth.gather(1, top).sum(1) - objective.travel_cost * hit.sum(1)
         better = value > best_value
         best_value = torch.where(better, value, best_value)

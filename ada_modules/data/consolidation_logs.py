@@ -251,18 +251,27 @@ def _pad_collate(items: list[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 
 class EpisodeSeeds(Dataset):
-    """Seeds of evaluation rollouts: item ``i`` is a batch of ``envs`` fresh episodes."""
+    """Seeds of evaluation rollouts: ``episodes`` fresh episodes in batches of ``envs`` (the last
+    batch holds the rest); item ``i`` is ``{"seed": base_seed + i, "envs": its episodes}``.
 
-    def __init__(self, base_seed: int, batches: int, envs: int) -> None:
-        self.base_seed, self.batches, self.envs = base_seed, batches, envs
+    Example:
+        >>> [item["envs"] for item in EpisodeSeeds(0, episodes=10, envs=4)]
+        [4, 4, 2]
+    """
+
+    def __init__(self, base_seed: int, episodes: int, envs: int) -> None:
+        self.base_seed, self.episodes, self.envs = base_seed, episodes, envs
 
     def __len__(self) -> int:
-        return self.batches
+        return math.ceil(self.episodes / self.envs)
 
     def __getitem__(self, index: int) -> dict[str, int]:
-        if not 0 <= index < self.batches:
-            raise IndexError(f"index {index} is out of range for {self.batches} batches")
-        return {"seed": self.base_seed + index, "envs": self.envs}
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} is out of range for {len(self)} batches")
+        return {
+            "seed": self.base_seed + index,
+            "envs": min(self.envs, self.episodes - index * self.envs),
+        }
 
 
 class ConsolidationLogsDataModule(SplitDataModule):
@@ -285,7 +294,8 @@ class ConsolidationLogsDataModule(SplitDataModule):
         behaviour_temperature: Behaviour noise (``collect_logs``'s ``temperature``).
         reward_noise: Noise on the logged rewards.
         val_episodes: Fresh episodes per validation.
-        test_episodes: Fresh episodes for testing (in batches of ``val_episodes``).
+        test_episodes: Fresh episodes for testing (in batches of ``val_episodes``, the last
+            one holding the rest).
         seed: Seed of the logs and the evaluation episodes (``None``: ``seed_everything``'s).
         batch_size: Training batch size (rows).
         num_workers: Loader workers.
@@ -365,9 +375,12 @@ class ConsolidationLogsDataModule(SplitDataModule):
                 if self.target_logs is not None
                 else None,
             }[hp.train_on]
-        batches = math.ceil(hp.test_episodes / hp.val_episodes)
-        self.datasets["val"] = EpisodeSeeds(self.seed * 1000 + 500, 1, hp.val_episodes)
-        self.datasets["test"] = EpisodeSeeds(self.seed * 1000 + 600, batches, hp.val_episodes)
+        self.datasets["val"] = EpisodeSeeds(
+            self.seed * 1000 + 500, hp.val_episodes, hp.val_episodes
+        )
+        self.datasets["test"] = EpisodeSeeds(
+            self.seed * 1000 + 600, hp.test_episodes, hp.val_episodes
+        )
 
     def _episodes(self, split: str) -> DataLoader:
         if split not in self.datasets:

@@ -38,6 +38,7 @@ import copy
 import functools
 import math
 from collections.abc import Callable
+from numbers import Real
 from typing import Any, Literal
 
 import torch
@@ -169,22 +170,24 @@ class CandidateSelectionModule(LightningModule):
                 raise InputError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if adaptation != "none" and critic == "none":
             raise InputError(f"adaptation={adaptation!r} needs a critic, got critic='none'")
-        if not 0 < expectile < 1:
-            raise InputError(f"expectile must be in (0, 1), got {expectile!r}")
+        if not (_is_finite_number(expectile) and 0 < expectile < 1):
+            raise InputError(f"expectile must be a number in (0, 1), got {expectile!r}")
         for name, value in (("discount", discount), ("target_update", target_update)):
-            if not 0 <= value <= 1:
-                raise InputError(f"{name} must be in [0, 1], got {value!r}")
+            if not (_is_finite_number(value) and 0 <= value <= 1):
+                raise InputError(f"{name} must be a number in [0, 1], got {value!r}")
         for name, value in (
             ("temperature", temperature),
             ("uncertainty_penalty", uncertainty_penalty),
             ("bonus_scale", bonus_scale),
         ):
-            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            if not (_is_finite_number(value) and value >= 0):
                 raise InputError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not max_weight > 0:
-            raise InputError(f"max_weight must be > 0, got {max_weight!r}")
-        if reward_scale is not None and not reward_scale > 0:
-            raise InputError(f"reward_scale must be None or > 0, got {reward_scale!r}")
+        if not (_is_finite_number(max_weight) and max_weight > 0):
+            raise InputError(f"max_weight must be a finite number > 0, got {max_weight!r}")
+        if reward_scale is not None and not (_is_finite_number(reward_scale) and reward_scale > 0):
+            raise InputError(
+                f"reward_scale must be None or a finite number > 0, got {reward_scale!r}"
+            )
         for name, value in (("hidden", hidden), ("bonus_samples", bonus_samples)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be an integer >= 1, got {value!r}")
@@ -323,7 +326,9 @@ class CandidateSelectionModule(LightningModule):
         features = candidate_features(state).to(self.device)
         mask = state.mask.to(self.device)
         progress = torch.full((mask.shape[0],), state.epoch / state.horizon, device=self.device)
-        return self.actor(features, mask, state_summary(features, mask, progress)).cpu()
+        summary = state_summary(features, mask, progress)
+        dtype = next(self.actor.parameters()).dtype  # e.g. bfloat16 under precision="bf16-true"
+        return self.actor(features.to(dtype), mask, summary.to(dtype)).float().cpu()
 
     def _evaluate(self, batch: dict[str, int], stage: str) -> dict[str, float]:
         simulator = self.trainer.datamodule.simulator
@@ -353,3 +358,7 @@ class CandidateSelectionModule(LightningModule):
                 },
                 batch_size=batch["envs"],
             )
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)

@@ -20,6 +20,7 @@ scalar head on the last token, ``h = r(first) - r(second)``. The DPO policy is
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from typing import Any, Literal
@@ -183,6 +184,18 @@ class PreferenceModule(LightningModule):
 
     def configure_optimizers(self) -> Any:
         return self.optimizer([p for p in self.parameters() if p.requires_grad])
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the estimator's coefficients: a resumed run goes on with them instead of
+        re-estimating them on a model that has since fitted the labelled pairs."""
+        if self.weights is not None:
+            checkpoint["abc_weights"] = dataclasses.asdict(self.weights)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("abc_weights")
+        if saved is not None:
+            self.weights = SemiSupervisedWeights(**{**saved, "notes": tuple(saved["notes"])})
+            self._notes = self.weights.notes
 
 
 class RewardModelModule(PreferenceModule):

@@ -252,8 +252,9 @@ def sample_plackett_luce(
         Indices ``[..., k]``.
 
     Raises:
-        ValueError: If ``k`` is not an integer >= 0 or a row has fewer than ``k`` valid
-            candidates.
+        ValueError: If ``k`` is not an integer >= 0, a row has fewer than ``k`` valid
+            candidates, ``mask`` is not a bool tensor that broadcasts to ``logits``, or a logit
+            is NaN. A valid candidate with logit ``-inf`` is picked only after every finite one.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -269,7 +270,19 @@ def sample_plackett_luce(
     if picks < 0:
         raise InputError(f"k must be an integer >= 0, got {k!r}")
     k = picks
-    valid = torch.broadcast_to(mask, logits.shape).sum(-1).reshape(-1)
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        what = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise InputError(f"mask must be a bool tensor, got {what}")
+    try:
+        mask = torch.broadcast_to(mask, logits.shape)
+    except RuntimeError:
+        raise InputError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the logits' "
+            f"{tuple(logits.shape)}"
+        ) from None
+    if bool(logits.isnan().any()):
+        raise InputError("logits hold NaN (a NaN candidate would always be picked first)")
+    valid = mask.sum(-1).reshape(-1)
     short = (valid < k).nonzero()
     if len(short):
         row = int(short[0, 0])
@@ -279,7 +292,10 @@ def sample_plackett_luce(
         )
     uniform = torch.rand(logits.shape, generator=generator, device=logits.device)
     gumbel = -torch.log(-torch.log(uniform.clamp(1e-12)))
-    return (logits + gumbel).masked_fill(~mask, -math.inf).topk(k, dim=-1).indices
+    keys = logits + gumbel
+    # a valid candidate scored -inf still ranks above every masked one (picked last, not never)
+    keys = keys.clamp_min(torch.finfo(keys.dtype).min).masked_fill(~mask, -math.inf)
+    return keys.topk(k, dim=-1).indices
 
 
 def subsample_candidates(

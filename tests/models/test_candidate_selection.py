@@ -294,11 +294,34 @@ def test_a_given_reward_scale_is_kept():
         ({"max_weight": 0.0}, "max_weight"),
         ({"discount": 1.5}, "discount"),
         ({"predictor": "gp"}, "predictor"),
+        ({"max_weight": math.inf}, "max_weight"),
+        ({"reward_scale": math.inf}, "reward_scale"),
+        ({"expectile": "0.7"}, "expectile"),
+        ({"discount": math.nan}, "discount"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(InputError, match=name):
         CandidateSelectionModule(**kwargs)
+
+
+def test_tests_under_bf16_true_precision():
+    seed_everything(0)
+    module = CandidateSelectionModule(critic="aggregate", hidden=16)
+    trainer = Trainer(
+        max_steps=2,
+        precision="bf16-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        limit_val_batches=0,
+    )
+    data = _data()
+    trainer.fit(module, datamodule=data)
+    (metrics,) = trainer.test(module, datamodule=data, verbose=False)
+    assert math.isfinite(metrics["test/return"])
 
 
 def test_bonus_without_target_logs_fails_when_fit_starts():

@@ -169,6 +169,20 @@ def test_short_fit_logs_lambda_and_weight_in_range(seed, cpu_trainer, estimator)
     assert math.isfinite(metrics["train/estimator_variance"].item())
 
 
+def test_a_resumed_fit_keeps_the_estimated_coefficients(seed, cpu_trainer, tmp_path):
+    model = RewardModelModule(estimator="abc", **TINY)
+    trainer = _fit(cpu_trainer, model, max_steps=2)
+    trainer.save_checkpoint(tmp_path / "abc.ckpt")
+    resumed = RewardModelModule(estimator="abc", **TINY)
+    refreshed = []
+    resumed.refresh_weights = lambda: refreshed.append(resumed.global_step)
+    trainer = cpu_trainer(max_steps=3, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(resumed, datamodule=_data(), ckpt_path=tmp_path / "abc.ckpt")
+    assert refreshed == [] and resumed.weights == model.weights
+    loaded = RewardModelModule.load_from_checkpoint(tmp_path / "abc.ckpt")
+    assert loaded.weights == model.weights
+
+
 def test_training_loss_weights_the_three_groups_by_the_estimated_coefficients(seed, cpu_trainer):
     model = RewardModelModule(estimator="abc", statistics_unlabelled=16, **TINY)
     before = copy.deepcopy(model)

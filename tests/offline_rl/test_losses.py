@@ -271,6 +271,9 @@ _SCORES = torch.zeros(1, 3)
         (lambda: sample_plackett_luce(_SCORES, _MASK, 4), "k = 4 picks"),
         (lambda: sample_plackett_luce(_SCORES, _MASK, -1), "k must be an integer"),
         (lambda: sample_plackett_luce(_SCORES, _MASK, 1.0), "k must be an integer"),
+        (lambda: sample_plackett_luce(_SCORES, _MASK.float(), 1), "mask must be a bool tensor"),
+        (lambda: sample_plackett_luce(_SCORES, _MASK[:, :2], 1), "mask of shape \\(1, 2\\)"),
+        (lambda: sample_plackett_luce(torch.tensor([[0.0, math.nan, 0.0]]), _MASK, 1), "NaN"),
     ],
 )
 def test_bad_input_raises_input_error_naming_the_argument(call, name: str) -> None:
@@ -282,3 +285,12 @@ def test_sample_plackett_luce_takes_numpy_and_tensor_counts() -> None:
     mask = torch.ones(1, 3, dtype=torch.bool)
     for k in (np.int64(2), torch.tensor(2)):
         assert sample_plackett_luce(torch.zeros(1, 3), mask, k).shape == (1, 2)
+
+
+def test_sample_plackett_luce_never_picks_a_masked_candidate_over_a_valid_minus_inf_one() -> None:
+    logits = torch.tensor([[0.0, -math.inf, -math.inf, 5.0]])
+    mask = torch.tensor([[False, True, True, True]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        picks = sample_plackett_luce(logits, mask, 3, g)[0].tolist()
+        assert picks[0] == 3 and sorted(picks[1:]) == [1, 2]
