@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import inf
 from typing import Any
 
 import torch
@@ -118,14 +119,20 @@ class OperatorTransformerModule(LightningModule):
     ) -> None:
         super().__init__()
         for name, value in (("noise_scale", noise_scale), ("aux_weight", aux_weight)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise InputError(f"{name} must be a number >= 0, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 <= value < inf
+            ):
+                raise InputError(f"{name} must be a finite number >= 0, got {value!r}")
         if (
             isinstance(stream_lr_scale, bool)
             or not isinstance(stream_lr_scale, int | float)
-            or not stream_lr_scale > 0
+            or not 0 < stream_lr_scale < inf
         ):
-            raise InputError(f"stream_lr_scale must be a number > 0, got {stream_lr_scale!r}")
+            raise InputError(
+                f"stream_lr_scale must be a finite number > 0, got {stream_lr_scale!r}"
+            )
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.net = OperatorTransformer(
             spatial_dims=spatial_dims,

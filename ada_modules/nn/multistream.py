@@ -316,6 +316,13 @@ class MultiStreamResidual(nn.Module):
             raise InputError(
                 f"expected streams (batch, {self.n_streams}, ...), got shape {tuple(streams.shape)}"
             )
+        channels = streams.shape[2] if self.channel_first else streams.shape[-1]
+        if channels != self.dim:
+            axis = "axis 2 (channel_first)" if self.channel_first else "the last axis"
+            raise InputError(
+                f"expected dim={self.dim} channels on {axis} of the streams, got shape "
+                f"{tuple(streams.shape)}"
+            )
         if self.disable:
             return streams + self.branch(streams.squeeze(1), *args, **kwargs).unsqueeze(1)
         # z: (batch, *positions, n, dim)

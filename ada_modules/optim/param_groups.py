@@ -155,18 +155,36 @@ def weight_decay_param_groups(module: nn.Module) -> list[dict[str, Any]]:
     """Two groups of ``module``'s trainable parameters: matrices (decayed) and the rest (not).
 
     The usual AdamW recipe: weight decay on weights of 2 or more dimensions, none on biases,
-    norms and other vectors.
+    norms and other vectors, nor on the parameters a submodule names in its ``no_weight_decay()``
+    (the timm convention: names relative to that submodule; e.g. the stream-mixing matrices of
+    :class:`~ada_modules.nn.StreamsWrapper`).
 
     Examples:
         >>> decay, no_decay = weight_decay_param_groups(nn.Linear(4, 3))
         >>> [p.shape for p in decay["params"]], no_decay["weight_decay"]
         ([torch.Size([3, 4])], 0.0)
     """
+    kept = _no_weight_decay_ids(module)
     decay, no_decay = [], []
     for param in module.parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            (decay if param.ndim >= 2 and id(param) not in kept else no_decay).append(param)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _no_weight_decay_ids(module: nn.Module) -> set[int]:
+    """``id`` of every parameter that a submodule of ``module`` names in ``no_weight_decay()``."""
+    ids = set()
+    for submodule in module.modules():
+        names = getattr(submodule, "no_weight_decay", None)
+        if not callable(names):
+            continue
+        for name in names():
+            try:
+                ids.add(id(submodule.get_parameter(name)))
+            except AttributeError:
+                continue  # a name that is not a parameter of this submodule (e.g. a buffer)
+    return ids
 
 
 def split_param_groups(

@@ -204,8 +204,37 @@ def test_bad_frames_and_noise() -> None:
     module = OperatorTransformerModule(**SMALL)
     with pytest.raises(ValueError, match="history=3 needs at least history \\+ 1"):
         module.training_step((torch.randn(2, 3, 1, 32), torch.zeros(2, dtype=torch.long)), 0)
-    with pytest.raises(ValueError, match="noise_scale must be a number >= 0"):
+    with pytest.raises(ValueError, match="noise_scale must be a finite number >= 0"):
         OperatorTransformerModule(**SMALL, noise_scale=-1.0)
+
+
+def test_rollout_of_zero_steps_is_empty_and_negative_steps_are_refused() -> None:
+    net = OperatorTransformer(**SMALL)
+    frames = torch.randn(2, 3, 1, 32)
+    assert net.rollout(frames, 0).shape == (2, 0, 1, 32)
+    with pytest.raises(ValueError, match="steps must be an integer >= 0, got -1"):
+        net.rollout(frames, -1)
+
+
+@pytest.mark.parametrize(
+    ("streams", "match"),
+    [
+        ({"kind": "hyper"}, "streams kind='hyper' disagrees with residual='mhc'"),
+        ({"dim": 8}, "streams sets 'dim', which the operator transformer sets itself"),
+        ({"channel_first": False}, "streams sets 'channel_first'"),
+    ],
+)
+def test_streams_cannot_override_what_the_network_sets(streams, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        OperatorTransformerModule(**SMALL, residual="mhc", streams=streams)
+
+
+@pytest.mark.parametrize(
+    ("setting", "name"), [("aux_weight", "aux_weight"), ("stream_lr_scale", "stream_lr_scale")]
+)
+def test_infinite_weights_and_scales_are_refused(setting, name) -> None:
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        OperatorTransformerModule(**SMALL, **{setting: float("inf")})
 
 
 def test_modes_beyond_the_patch_grid_are_rejected_at_build_time() -> None:
@@ -237,7 +266,7 @@ def test_stream_lr_scale_multiplies_the_streams_group_only() -> None:
     )
     lrs = {g.get("name"): g["lr"] for g in module.configure_optimizers().param_groups}
     assert lrs == {None: 1e-3, "streams": pytest.approx(1e-2)}
-    with pytest.raises(ValueError, match="stream_lr_scale must be a number > 0, got 0"):
+    with pytest.raises(ValueError, match="stream_lr_scale must be a finite number > 0, got 0"):
         OperatorTransformerModule(**SMALL, stream_lr_scale=0)
 
 

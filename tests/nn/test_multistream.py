@@ -259,6 +259,19 @@ def test_bad_stream_shape_names_it() -> None:
         layer(torch.randn(3, 4))
 
 
+def test_a_wrong_channel_width_names_dim() -> None:
+    layer = MultiStreamResidual(nn.Linear(4, 4), dim=4, n_streams=2)
+    with pytest.raises(InputError, match=r"expected dim=4 channels on the last axis"):
+        layer(torch.randn(3, 2, 7, 5))
+    first = MultiStreamResidual(nn.Conv2d(4, 4, 1), dim=4, n_streams=2, channel_first=True)
+    assert first(torch.randn(3, 2, 4, 5, 5)).shape == (3, 2, 4, 5, 5)
+    with pytest.raises(InputError, match=r"expected dim=4 channels on axis 2 \(channel_first\)"):
+        first(torch.randn(3, 2, 5, 5, 4))  # channel-last streams given to a channel-first layer
+    stack = MultiStreamStack([nn.Linear(4, 4)], dim=4, n_streams=2)
+    with pytest.raises(InputError, match="expected dim=4"):
+        stack(torch.randn(3, 7, 6))
+
+
 def test_stack_rejects_empty_blocks_and_layer_index() -> None:
     with pytest.raises(ValueError, match="blocks must not be empty"):
         MultiStreamStack([], dim=4)

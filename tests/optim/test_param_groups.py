@@ -12,6 +12,7 @@ from ada_modules.optim.param_groups import (
     check_param_coverage,
     geometry_param_groups,
     split_param_groups,
+    weight_decay_param_groups,
 )
 from ada_modules.optim.scion import Scion
 
@@ -231,3 +232,26 @@ def test_ancre_routing_coefficients_get_a_group_of_their_own():
         if g is not routing
         for n in g["param_names"]
     )
+
+
+def test_weight_decay_groups_keep_what_no_weight_decay_names():
+    """The stream-mixing matrix of a StreamsWrapper is 2-D but must not be decayed."""
+    from ada_modules.models import CausalLMModule
+    from ada_modules.nn import StreamsWrapper
+
+    module = CausalLMModule(
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=32,
+        model_wrapper=StreamsWrapper(n_streams=4, kind="hyper"),
+    )
+    decay, no_decay = weight_decay_param_groups(module)
+    decayed = {id(p) for p in decay["params"]}
+    kept = dict(module.model.named_parameters())
+    names = module.model.no_weight_decay()
+    assert any(kept[name].ndim == 2 for name in names)  # res_static
+    assert all(id(kept[name]) not in decayed for name in names)
+    assert {id(p) for p in no_decay["params"]} >= {id(kept[name]) for name in names}
+    assert decayed  # the attention and MLP matrices still are
