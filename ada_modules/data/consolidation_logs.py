@@ -254,7 +254,7 @@ class EpisodeSeeds(Dataset):
     """Seeds of evaluation rollouts: ``episodes`` fresh episodes in batches of ``envs`` (the last
     batch holds the rest); item ``i`` is ``{"seed": base_seed + i, "envs": its episodes}``.
 
-    Example:
+    Examples:
         >>> [item["envs"] for item in EpisodeSeeds(0, episodes=10, envs=4)]
         [4, 4, 2]
     """
