@@ -36,7 +36,9 @@ it is needed. Every threshold below is a field of :class:`AdaCalConfig`.
 
 Every plan also keeps the sink, the local window and the diagonal blocks. ``BlockPlan.stats``
 holds per head ``entropy``, ``concentration``, ``mid_mass``, ``mid_coverage`` (after
-augmentation) and ``query_aware`` (activated); ``BlockPlan.regime`` the regime per element.
+augmentation) and ``query_aware`` (activated); ``BlockPlan.regime`` the regime per element. A
+probe that is not finite (NaN or Inf queries or keys) profiles nothing: the call gets the dense
+causal plan (no regime, no stats), so its output is NaN where dense attention's is.
 
 Example:
     >>> q, k = torch.randn(2, 4, 256, 16), torch.randn(2, 2, 256, 16)
@@ -471,7 +473,10 @@ class AdaCalPolicy:
             query, key, block_size=size, key_padding_mask=key_padding_mask, scaling=scaling
         )
         peaks = self._long_range_peaks(probe)
-        retrieval = self._retrieval(self._features(probe, *peaks))[:, None]  # (B, 1)
+        features = self._features(probe, *peaks)
+        if not bool(torch.isfinite(features).all()):  # NaN or Inf queries or keys: as dense
+            return BlockPlan(causal_block_mask(batch, heads, q_len, k_len, size, device), size)
+        retrieval = self._retrieval(features)[:, None]  # (B, 1)
 
         params = self._element_params(retrieval)
         p = probe.block_probs

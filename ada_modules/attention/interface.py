@@ -18,11 +18,13 @@ with ``AttentionMaskInterface``, so padded batches get their mask):
 The policy is built from the model config's ``sparse_prefill`` attribute (a dict of the policy's
 keyword arguments; absent: the defaults), once per attention module, or set on a model with
 :func:`set_sparse_prefill_policy`. A call takes the sparse path only for a prefill (more than one
-query) of at least ``policy.min_sparse_length`` keys without gradients or dropout; decode steps,
-short prompts and training run dense attention, and so do layers that need more than causal
-attention with padding (a sliding window, logit softcapping, attention sinks or a non-causal
-module: a warning says so). Dense attention is transformers' SDPA, or the model's own eager
-attention for softcapping and sinks, which SDPA cannot do
+query) of at least ``policy.min_sparse_length`` keys without gradients or dropout, on the keys
+its queries can see (a static cache's empty slots past the prompt are cut off); decode steps,
+short prompts and training run dense attention, and so do calls that need more than causal
+attention with key padding (a sliding window, logit softcapping, attention sinks, a non-causal
+module, or a mask that is not causal with key padding, such as packed documents'
+block-diagonal one: a warning says so). Dense attention is transformers' SDPA, or the model's
+own eager attention for softcapping and sinks, which SDPA cannot do
 (:func:`~ada_modules.attention.dense_fallback.dense_attention_forward`). The sparse path plans
 the call's blocks, runs :func:`~ada_modules.kernels.sparse_prefill.sparse_prefill_attention`
 (Triton on CUDA, the torch reference on CPU), and reports the plan to every active
@@ -46,6 +48,7 @@ Example:
 import contextlib
 import json
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,14 +260,68 @@ def _policy_for(module: nn.Module) -> SparsePrefillPolicy:
     return cached[1]
 
 
-def _key_padding_mask(attention_mask: torch.Tensor | None, k_len: int) -> torch.Tensor | None:
-    """Boolean ``(batch, k_len)``: the keys the last query may see (all real tokens)."""
+_ROWS_PER_CHECK = 1024
+_checked_mask: list[
+    tuple[weakref.ref, tuple[int, int, int], tuple[int, torch.Tensor | None] | None]
+]
+_checked_mask = []  # the last mask checked: every layer of a forward gets the same tensor
+
+
+def _causal_keys(
+    attention_mask: torch.Tensor | None, q_len: int, k_len: int
+) -> tuple[int, torch.Tensor | None] | None:
+    """The keys of a call whose mask is causal attention with key padding, else ``None``.
+
+    Returns ``(keys, key_padding_mask)``: the queries are the last ``q_len`` of the first ``keys``
+    keys (no query sees a later one, e.g. a static cache's empty slots), and the boolean
+    ``(batch, keys)`` padding mask (``None``: no padding) marks the real ones. A ``None`` mask
+    (the mask builder skipped a causal mask without padding) is SDPA's ``is_causal``: query ``i``
+    sees keys ``0..i``. A mask tensor gives the keys and padding from its last row (the keys up
+    to the last one it sees, at least ``q_len``) and must then equal that causal mask with
+    padding; packed documents, other custom masks and additive biases do not. The check reads
+    the mask once per forward (the layers share it), ``_ROWS_PER_CHECK`` query rows at a time.
+    """
     if attention_mask is None:
+        return q_len, None
+    signature = (attention_mask._version, q_len, k_len)
+    if _checked_mask and _checked_mask[0][0]() is attention_mask:
+        if _checked_mask[0][1] == signature:
+            return _checked_mask[0][2]
+    result = _check_causal_keys(attention_mask[..., :k_len], q_len)
+    _checked_mask[:] = [(weakref.ref(attention_mask), signature, result)]
+    return result
+
+
+def _check_causal_keys(mask: torch.Tensor, q_len: int) -> tuple[int, torch.Tensor | None] | None:
+    k_len = mask.shape[-1]
+    last = _visible(mask[:, 0, -1:])  # (batch, 1, k_len): the keys the last query sees
+    if last is None:
         return None
-    last = attention_mask[:, 0, -1, -k_len:]
-    if last.dtype != torch.bool:  # additive float mask: 0 visible, min hidden
-        last = last > torch.finfo(last.dtype).min / 2
-    return last
+    last = last[:, 0]
+    seen = last.any(0) * torch.arange(1, k_len + 1, device=last.device)
+    keys = max(q_len, int(seen.max()))
+    columns = torch.arange(k_len, device=last.device)
+    for start in range(0, mask.shape[2], _ROWS_PER_CHECK):
+        rows = mask[:, :, start : start + _ROWS_PER_CHECK]
+        visible = _visible(rows)
+        positions = torch.arange(start, start + rows.shape[2], device=last.device)
+        causal = columns <= positions[:, None] + (keys - q_len)  # query i is key keys - q_len + i
+        if visible is None or not torch.equal(
+            visible, (last[:, None, None, :] & causal).expand_as(visible)
+        ):
+            return None
+    return keys, last[:, :keys]
+
+
+def _visible(mask: torch.Tensor) -> torch.Tensor | None:
+    """Boolean visibility of a bool or additive mask; ``None`` for an additive bias (a value other
+    than 0 or at most half the dtype's minimum)."""
+    if mask.dtype == torch.bool:
+        return mask
+    visible = mask == 0
+    if not bool((visible | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
+        return None
+    return visible
 
 
 def _unsupported_features(module: nn.Module, kwargs: dict[str, Any]) -> list[str]:
@@ -299,7 +356,8 @@ def sparse_prefill_forward(
         key: ``(batch, kv_heads, k_len, head_dim)``.
         value: Like ``key``.
         attention_mask: SDPA boolean mask ``(batch, 1, q_len, k_len)``, an additive float mask,
-            or ``None``; the sparse path reads the key padding from its last row.
+            or ``None`` (causal, SDPA's top-left alignment); the sparse path runs only when it is
+            causal attention with key padding (read from its last row, checked on every row).
         dropout: Dropout probability; non-zero runs dense attention.
         scaling: Softmax scale (default ``head_dim ** -0.5``).
         **kwargs: Passed on to the dense fallback.
@@ -308,28 +366,33 @@ def sparse_prefill_forward(
         ``(attn_output, None)`` with ``attn_output`` of shape ``(batch, q_len, heads, head_dim)``.
     """
     policy = _policy_for(module)
-    q_len, k_len = query.shape[2], key.shape[2]
+    q_len = query.shape[2]
     unsupported = _unsupported_features(module, kwargs)
+    sparse = (
+        not unsupported
+        and q_len > 1
+        and key.shape[2] >= policy.min_sparse_length
+        and dropout == 0.0
+        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+    )
+    keys = _causal_keys(attention_mask, q_len, key.shape[2]) if sparse else None
+    if sparse and keys is None:
+        unsupported.append("an attention mask other than causal with key padding")
     if unsupported:
         warnings.warn(
             f"sparse prefill does not support {unsupported} ({type(module).__name__}); "
             "this layer runs dense attention",
             stacklevel=2,
         )
-    if (
-        unsupported
-        or q_len == 1
-        or k_len < policy.min_sparse_length
-        or dropout > 0.0
-        or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
-    ):
+    if keys is None or keys[0] < policy.min_sparse_length:
         for log in _ACTIVE_LOGS:
             log.dense_fallbacks += 1
         return dense_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    k_len, key_padding_mask = keys
+    key, value = key[:, :, :k_len], value[:, :, :k_len]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    key_padding_mask = _key_padding_mask(attention_mask, k_len)
     plan = policy.plan(query, key, key_padding_mask=key_padding_mask, scaling=scaling)
     out = sparse_prefill_attention(
         query,

@@ -48,7 +48,7 @@ import math
 import torch
 
 from ada_modules.errors import InputError
-from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
+from ada_modules.kernels._dispatch import Impl, interpreter_enabled, resolve_impl, triton_available
 
 __all__ = [
     "block_mask_to_indices",
@@ -610,7 +610,7 @@ def sparse_prefill_attention(
 
     Raises:
         InputError: If a shape, dtype or value is not allowed (the message names it), or ``impl``
-            cannot run.
+            cannot run (also bf16 with ``impl="triton"`` under the Triton interpreter).
 
     Example:
         >>> q, k, v = torch.randn(2, 2, 48, 16), torch.randn(2, 2, 64, 16), torch.randn(2, 2, 64, 16)
@@ -631,6 +631,12 @@ def sparse_prefill_attention(
             block_size=block_size,
             key_padding_mask=key_padding_mask,
             scaling=scale,
+        )
+    if query.dtype == torch.bfloat16 and interpreter_enabled():
+        raise InputError(
+            "impl='triton' cannot run torch.bfloat16 under the Triton interpreter "
+            "(TRITON_INTERPRET=1: its tl.dot multiplies the bits of bf16 as integers); use "
+            "impl='torch', or float16/float32"
         )
     return _sparse_prefill_triton(
         query, key, value, block_mask, block_size, key_padding_mask, scale

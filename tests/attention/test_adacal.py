@@ -16,6 +16,7 @@ from ada_modules.attention import (
     RetrievalParams,
     StructureParams,
     TaskDispatcher,
+    causal_block_mask,
 )
 from ada_modules.errors import InputError
 
@@ -168,6 +169,14 @@ def test_a_left_padded_element_gets_the_plan_of_its_unpadded_sequence(max_densit
     skip = pad // BLOCK
     assert torch.equal(padded.block_mask[:, :, skip:, skip:], unpadded.block_mask)
     assert padded.regime == unpadded.regime
+
+
+def test_a_non_finite_probe_gets_the_dense_plan():
+    query, key = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    key[0, :, 5] = float("nan")  # every probe row sees it
+    plan = AdaCalPolicy(block_size=16, min_sparse_length=0).plan(query, key, scaling=0.25)
+    assert torch.equal(plan.block_mask, causal_block_mask(1, 2, 64, 64, block_size=16))
+    assert plan.regime is None
 
 
 def test_config_round_trips_and_yaml_overrides_single_fields():

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.masking_utils import AttentionMaskInterface
 
 from ada_modules.attention import (
@@ -17,6 +17,7 @@ from ada_modules.attention import (
     policy_from_config,
     record_sparse_prefill,
     set_sparse_prefill_policy,
+    sparse_prefill_forward,
 )
 from ada_modules.callbacks import SparsePrefillMonitor
 from ada_modules.data import RecallDataModule
@@ -66,6 +67,61 @@ def test_dense_plan_gives_the_logits_of_sdpa_with_padding():
     assert log.calls[0].density == 1.0
     real = mask.bool()
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_static_cache_prefill_runs_sparse_on_the_prompt_keys(padded):
+    ids, mask = _padded_batch()
+    mask = mask if padded else torch.ones_like(mask)
+    reference = _model("sdpa")
+    sparse = _model("sparse_dense", SPARSE)
+    sparse.load_state_dict(reference.state_dict())
+    with torch.no_grad(), record_sparse_prefill() as log:
+        expected = reference(ids, attention_mask=mask).logits
+        cache = StaticCache(config=sparse.config, max_cache_len=90)  # 20 empty slots
+        got = sparse(ids, attention_mask=mask, cache=cache).logits
+    assert [(call.q_len, call.k_len) for call in log.calls] == [(70, 70)] * 2
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+def test_a_mask_beyond_causal_with_padding_runs_sdpa_with_a_warning():
+    ids = torch.randint(1, 40, (1, 80), generator=torch.Generator().manual_seed(1))
+    documents = torch.ones(40, 40, dtype=torch.bool).tril()
+    mask = torch.block_diag(documents, documents)[None, None]  # two packed documents
+    positions = torch.arange(40).repeat(2)[None]
+    reference = _model("sdpa")
+    sparse = _model("sparse_dense", SPARSE)
+    sparse.load_state_dict(reference.state_dict())
+    with torch.no_grad(), record_sparse_prefill() as log:
+        expected = reference(ids, attention_mask=mask, position_ids=positions).logits
+        with pytest.warns(UserWarning, match="attention mask"):
+            got = sparse(ids, attention_mask=mask, position_ids=positions).logits
+    assert log.calls == [] and log.dense_fallbacks == 2
+    torch.testing.assert_close(got, expected)
+
+
+def test_an_additive_mask_runs_sparse_and_an_additive_bias_runs_sdpa():
+    attention = _model("sparse_dense", SPARSE).model.layers[0].self_attn
+    query, key = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8)
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    additive = torch.zeros(1, 1, 40, 40).masked_fill(~causal, torch.finfo(torch.float32).min)
+    with torch.no_grad(), record_sparse_prefill() as log:
+        sparse_prefill_forward(attention, query, key, key, additive)
+        with pytest.warns(UserWarning, match="attention mask"):
+            sparse_prefill_forward(attention, query, key, key, additive - causal.float())
+    assert len(log.calls) == 1 and log.dense_fallbacks == 1
+
+
+def test_non_finite_activations_give_nan_like_sdpa():
+    reference = _model("sdpa")
+    adacal = _model("adacal", SPARSE)
+    embeds = reference.model.embed_tokens(torch.randint(1, 40, (1, 40))).detach()
+    embeds[0, 5] = float("nan")
+    with torch.no_grad():
+        expected = reference(inputs_embeds=embeds).logits
+        got = adacal(inputs_embeds=embeds).logits
+    assert torch.equal(got.isnan(), expected.isnan())
 
 
 def test_adacal_is_sparse_on_long_prompts_and_dense_on_decode_and_short_prompts():

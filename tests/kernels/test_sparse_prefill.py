@@ -15,6 +15,7 @@ from ada_modules.attention.plan import causal_block_mask, num_blocks
 from ada_modules.errors import InputError
 from ada_modules.kernels import (
     block_mask_to_indices,
+    interpreter_enabled,
     sparse_prefill_attention,
     sparse_prefill_attention_reference,
 )
@@ -214,6 +215,15 @@ def test_half_precision_output_dtype(dtype, impl):
     exact = sparse_prefill_attention_reference(q.float(), k.float(), v.float(), mask, block_size=16)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     torch.testing.assert_close(out.float(), exact, atol=tol, rtol=0)
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not interpreter_enabled(), reason="needs TRITON_INTERPRET=1")
+def test_bf16_under_the_interpreter_is_refused():
+    q, k, v = _inputs(1, 2, 1, 20, 20, 16, dtype=torch.bfloat16)
+    mask = _random_plan(1, 2, 20, 20, 16, 1.0)
+    with pytest.raises(InputError, match="bfloat16.*interpreter.*impl='torch'"):
+        sparse_prefill_attention(q, k, v, mask, block_size=16, impl="triton")
 
 
 # ----------------------------------------------------------------------------------------------
