@@ -48,7 +48,7 @@ import math
 import torch
 
 from ada_modules.errors import InputError
-from ada_modules.kernels._dispatch import Impl, interpreter_enabled, resolve_impl, triton_available
+from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
 
 __all__ = [
     "block_mask_to_indices",
@@ -632,7 +632,8 @@ def sparse_prefill_attention(
             key_padding_mask=key_padding_mask,
             scaling=scale,
         )
-    if query.dtype == torch.bfloat16 and interpreter_enabled():
+    # Triton decided at import whether its kernels run in the interpreter (not JIT-compiled)
+    if query.dtype == torch.bfloat16 and not isinstance(_sparse_prefill_kernel, triton.JITFunction):
         raise InputError(
             "impl='triton' cannot run torch.bfloat16 under the Triton interpreter "
             "(TRITON_INTERPRET=1: its tl.dot multiplies the bits of bf16 as integers); use "
