@@ -4,14 +4,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ada_modules.checks import is_int
 from ada_modules.errors import InputError
 
 __all__ = ["check_box", "check_maze_size", "check_rng", "is_int"]
-
-
-def is_int(value: object) -> bool:
-    """Whether ``value`` is a Python or NumPy integer (``bool`` does not count)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_rng(rng: object) -> np.random.Generator:

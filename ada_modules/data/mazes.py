@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ada_modules.data._puzzle_args import check_maze_size, check_rng, is_int
+from ada_modules.checks import is_int
+from ada_modules.data._puzzle_args import check_maze_size, check_rng
 from ada_modules.errors import InputError
 
 __all__ = ["Maze", "generate_maze", "maze_solved", "maze_tensors", "shortest_path"]

@@ -19,7 +19,8 @@ import time
 import numpy as np
 from torch.utils.data import TensorDataset
 
-from ada_modules.data._puzzle_args import check_box, check_maze_size, is_int
+from ada_modules.checks import is_int
+from ada_modules.data._puzzle_args import check_box, check_maze_size
 from ada_modules.data.mazes import generate_maze, maze_tensors
 from ada_modules.data.split_datamodule import SplitDataModule
 from ada_modules.data.sudoku import UNIQUE_MIN_GIVENS, generate_sudoku, sudoku_tensors

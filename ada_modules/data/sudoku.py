@@ -18,7 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ada_modules.data._puzzle_args import check_box, check_rng, is_int
+from ada_modules.checks import is_int
+from ada_modules.data._puzzle_args import check_box, check_rng
 from ada_modules.errors import InputError
 
 __all__ = [

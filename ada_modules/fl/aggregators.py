@@ -22,11 +22,12 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
 from torch import Tensor
 
+from ada_modules.checks import is_int
 from ada_modules.errors import InputError
 from ada_modules.fl.attack import Aggregation
 
@@ -50,10 +51,6 @@ _BOUNDS: dict[str, tuple[str, Callable[[int], int]]] = {
 }
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
 def _check_name(name: object) -> str:
     if not isinstance(name, str) or name not in _BOUNDS:
         raise InputError(f"unknown aggregator {name!r}; known: {', '.join(_BOUNDS)}")
@@ -70,7 +67,7 @@ def _check_updates(updates: object) -> tuple[int, int]:
 
 
 def _check_f(f: object) -> int:
-    if not _is_int(f) or f < 0:  # type: ignore[operator]
+    if not is_int(f) or f < 0:  # type: ignore[operator]
         raise InputError(f"f (malicious clients) must be an int >= 0, got {f!r}")
     return int(f)  # type: ignore[arg-type]
 
@@ -196,7 +193,7 @@ def multi_krum(
     """
     n, _ = _check("multi_krum", updates, f)
     m = n - f if m is None else m
-    if not _is_int(m) or not 1 <= m <= n:
+    if not is_int(m) or not 1 <= m <= n:
         raise InputError(
             f"multi_krum selects 1 <= m <= n={n} updates, got m={m!r} (an aggregator asked "
             "for more selections than clients)"
@@ -278,7 +275,7 @@ def centered_clipping(
     _, d = _check("centered_clipping", updates, f)
     if not isinstance(tau, Real) or isinstance(tau, bool) or not 0 < tau < math.inf:
         raise InputError(f"centered_clipping needs a finite tau > 0, got tau={tau!r}")
-    if not _is_int(iterations) or iterations < 1:
+    if not is_int(iterations) or iterations < 1:
         raise InputError(f"centered_clipping needs an int iterations >= 1, got {iterations!r}")
     if center is None:
         v = updates.new_zeros(d)
@@ -317,7 +314,7 @@ def max_tolerated(name: str, n: int) -> int:
         >>> [max_tolerated(name, 7) for name in ("mean", "krum", "bulyan")]
         [3, 2, 1]
     """
-    if not _is_int(n) or n < 0:
+    if not is_int(n) or n < 0:
         raise InputError(f"n (clients) must be an int >= 0, got {n!r}")
     return max(_BOUNDS[_check_name(name)][1](int(n)), -1)
 

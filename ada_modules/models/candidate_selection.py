@@ -36,9 +36,7 @@ Example:
 
 import copy
 import functools
-import math
 from collections.abc import Callable
-from numbers import Real
 from typing import Any, Literal
 
 import torch
@@ -46,6 +44,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 
+from ada_modules.checks import is_finite_real
 from ada_modules.data.consolidation import (
     ACTION_FEATURES,
     CANDIDATE_FEATURES,
@@ -170,21 +169,21 @@ class CandidateSelectionModule(LightningModule):
                 raise InputError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if adaptation != "none" and critic == "none":
             raise InputError(f"adaptation={adaptation!r} needs a critic, got critic='none'")
-        if not (_is_finite_number(expectile) and 0 < expectile < 1):
+        if not (is_finite_real(expectile) and 0 < expectile < 1):
             raise InputError(f"expectile must be a number in (0, 1), got {expectile!r}")
         for name, value in (("discount", discount), ("target_update", target_update)):
-            if not (_is_finite_number(value) and 0 <= value <= 1):
+            if not (is_finite_real(value) and 0 <= value <= 1):
                 raise InputError(f"{name} must be a number in [0, 1], got {value!r}")
         for name, value in (
             ("temperature", temperature),
             ("uncertainty_penalty", uncertainty_penalty),
             ("bonus_scale", bonus_scale),
         ):
-            if not (_is_finite_number(value) and value >= 0):
+            if not (is_finite_real(value) and value >= 0):
                 raise InputError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not (_is_finite_number(max_weight) and max_weight > 0):
+        if not (is_finite_real(max_weight) and max_weight > 0):
             raise InputError(f"max_weight must be a finite number > 0, got {max_weight!r}")
-        if reward_scale is not None and not (_is_finite_number(reward_scale) and reward_scale > 0):
+        if reward_scale is not None and not (is_finite_real(reward_scale) and reward_scale > 0):
             raise InputError(
                 f"reward_scale must be None or a finite number > 0, got {reward_scale!r}"
             )
@@ -358,7 +357,3 @@ class CandidateSelectionModule(LightningModule):
                 },
                 batch_size=batch["envs"],
             )
-
-
-def _is_finite_number(value: object) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)

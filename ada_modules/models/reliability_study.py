@@ -70,6 +70,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
+from ada_modules.checks import is_finite_real
 from ada_modules.errors import InputError
 from ada_modules.models.causal_lm import CausalLMModule
 from ada_modules.reliability.channel import (
@@ -122,10 +123,6 @@ _DEFAULT_LAMBDAS = (
     1.0,
     10.0,
 )
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _logit(p: torch.Tensor) -> torch.Tensor:
@@ -193,7 +190,7 @@ class ReliabilityStudyModule(LightningModule):
             if "accuracy" in spec and "cost" not in spec:
                 raise InputError(f"channels[{name!r}] needs a 'cost' (per sample), got none")
             cost = spec.get("cost", spec.get("cost_per_token", 1.0))
-            if not _finite(cost) or cost < 0:
+            if not is_finite_real(cost) or cost < 0:
                 raise InputError(f"channels[{name!r}].cost must be a number >= 0, got {cost!r}")
         if isinstance(options, str | bytes) or not options:
             raise InputError(f"options must be a non-empty list of option specs, got {options!r}")
@@ -211,9 +208,9 @@ class ReliabilityStudyModule(LightningModule):
                     f"option {option['name']!r}: operator must be one of {OPERATORS}, "
                     f"got {option.get('operator')!r}"
                 )
-        if not _finite(hardness_scale) or hardness_scale < 0:
+        if not is_finite_real(hardness_scale) or hardness_scale < 0:
             raise InputError(f"hardness_scale must be a number >= 0, got {hardness_scale!r}")
-        if not _finite(matched_quality_tolerance) or not 0 <= matched_quality_tolerance < 1:
+        if not is_finite_real(matched_quality_tolerance) or not 0 <= matched_quality_tolerance < 1:
             raise InputError(
                 f"matched_quality_tolerance must be in [0, 1), got {matched_quality_tolerance!r}"
             )
@@ -229,7 +226,7 @@ class ReliabilityStudyModule(LightningModule):
         self.router = KNNRouter(k)
         self.embedder = HashedNgramEmbedder(dim=embedding_dim)
         self.lambdas = list(_DEFAULT_LAMBDAS if lambdas is None else lambdas)
-        if any(not _finite(lam) or lam < 0 for lam in self.lambdas):
+        if any(not is_finite_real(lam) or lam < 0 for lam in self.lambdas):
             raise InputError(f"lambdas must be numbers >= 0, got {self.lambdas!r}")
         self.tolerance = float(matched_quality_tolerance)
         self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ada_modules.checks import is_int
 from ada_modules.errors import InputError
 from ada_modules.nn._diffusers_blocks import ENCODER_FIRST_BLOCKS
 from ada_modules.nn.ahpa_router import TimestepRouter, coarse_to_fine_prior
@@ -54,10 +55,6 @@ def _first_tensor(output: Any) -> torch.Tensor:
     if isinstance(output, Sequence) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     raise InputError(f"a hooked module returned {type(output).__name__}, not a tensor")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_t(t: Any, batch: int | None = None) -> None:
@@ -187,9 +184,9 @@ class HierarchicalPriorAligner(nn.Module):
             )
         if not 0 < prior_sigma < math.inf:
             raise InputError(f"prior_sigma must be finite and > 0, got {prior_sigma}")
-        if not _is_int(hidden_size) or hidden_size < 1:
+        if not is_int(hidden_size) or hidden_size < 1:
             raise InputError(f"hidden_size must be an int >= 1, got {hidden_size!r}")
-        if not _is_int(projector_dim) or projector_dim < 1:
+        if not is_int(projector_dim) or projector_dim < 1:
             raise InputError(f"projector_dim must be an int >= 1, got {projector_dim!r}")
         self.levels = levels
         self.hidden_size = hidden_size
@@ -241,9 +238,9 @@ class HierarchicalPriorAligner(nn.Module):
                 f"level_channels must give one width per level: {len(levels)} levels, "
                 f"got {list(level_channels)}"
             )
-        if not all(_is_int(c) and c >= 1 for c in level_channels):
+        if not all(is_int(c) and c >= 1 for c in level_channels):
             raise InputError(f"level_channels must be ints >= 1, got {list(level_channels)}")
-        if not _is_int(block_index):
+        if not is_int(block_index):
             raise InputError(f"block_index must be an int, got {block_index!r}")
         if not -len(blocks) <= block_index < len(blocks):
             raise InputError(

@@ -28,6 +28,7 @@ import operator
 import torch
 from torch import Tensor
 
+from ada_modules.checks import check_finite_real
 from ada_modules.errors import InputError
 
 __all__ = [
@@ -37,15 +38,6 @@ __all__ = [
     "sample_plackett_luce",
     "subsample_candidates",
 ]
-
-
-def _check_number(name: str, value: object) -> float:
-    """Return ``value`` as a float; raise InputError for bools, non-numbers and NaN/inf."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(f"{name} must be a real number, got {value!r}")
-    if not math.isfinite(value):
-        raise InputError(f"{name} must be finite, got {value!r}")
-    return float(value)
 
 
 def _check_tensor(name: str, value: object) -> Tensor:
@@ -133,7 +125,7 @@ def expectile_loss(diff: Tensor, expectile: float) -> Tensor:
         raise InputError(f"diff must be a floating-point tensor, got dtype {diff.dtype}")
     if diff.numel() == 0:
         raise InputError(f"diff must have at least one element, got shape {tuple(diff.shape)}")
-    tau = _check_number("expectile", expectile)
+    tau = check_finite_real("expectile", expectile)
     if not 0.0 < tau < 1.0:
         raise InputError(f"expectile must be in (0, 1), got {expectile!r}")
     weight = (tau - (diff < 0).to(diff.dtype)).abs()  # in diff's dtype, not the default one
@@ -169,10 +161,10 @@ def advantage_weights(advantage: Tensor, temperature: float, max_weight: float =
     _check_tensor("advantage", advantage)
     if not advantage.is_floating_point():
         raise InputError(f"advantage must be a floating-point tensor, got dtype {advantage.dtype}")
-    beta = _check_number("temperature", temperature)
+    beta = check_finite_real("temperature", temperature)
     if beta < 0:
         raise InputError(f"temperature must be >= 0, got {temperature!r}")
-    cap = _check_number("max_weight", max_weight)
+    cap = check_finite_real("max_weight", max_weight)
     if cap <= 0:
         raise InputError(f"max_weight must be > 0, got {max_weight!r}")
     advantage = advantage.detach()

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ada_modules.checks import check_finite_real
 from ada_modules.errors import InputError
 
 __all__ = ["BayesianLinearRewardPredictor", "EnsembleRewardPredictor", "conservative_bonus"]
@@ -41,14 +42,6 @@ __all__ = ["BayesianLinearRewardPredictor", "EnsembleRewardPredictor", "conserva
 _STD_FLOOR = 1e-6
 # Smallest noise variance the evidence maximisation may reach (noise-free data drives it to 0).
 _NOISE_VAR_FLOOR = 1e-12
-
-
-def _check_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(f"{name} must be a real number, got {value!r}")
-    if not math.isfinite(value):
-        raise InputError(f"{name} must be finite, got {value!r}")
-    return float(value)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -183,11 +176,11 @@ class BayesianLinearRewardPredictor(_FittedBuffers):
 
     def __init__(self, prior_precision: float = 1.0, noise_precision: float | None = None) -> None:
         super().__init__()
-        alpha = _check_number("prior_precision", prior_precision)
+        alpha = check_finite_real("prior_precision", prior_precision)
         if alpha <= 0:
             raise InputError(f"prior_precision must be > 0, got {prior_precision!r}")
         if noise_precision is not None:
-            beta = _check_number("noise_precision", noise_precision)
+            beta = check_finite_real("noise_precision", noise_precision)
             if beta <= 0:
                 raise InputError(f"noise_precision must be > 0 or None, got {noise_precision!r}")
         self.prior_precision = alpha
@@ -414,10 +407,10 @@ class EnsembleRewardPredictor(_FittedBuffers):
         self.num_members = _check_int("num_members", num_members, 2)
         self.hidden = _check_int("hidden", hidden, 1)
         self.steps = _check_int("steps", steps, 1)
-        self.lr = _check_number("lr", lr)
+        self.lr = check_finite_real("lr", lr)
         if self.lr <= 0:
             raise InputError(f"lr must be > 0, got {lr!r}")
-        self.weight_decay = _check_number("weight_decay", weight_decay)
+        self.weight_decay = check_finite_real("weight_decay", weight_decay)
         if self.weight_decay < 0:
             raise InputError(f"weight_decay must be >= 0, got {weight_decay!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -555,7 +548,7 @@ def conservative_bonus(mean: Tensor, std: Tensor, penalty: float) -> Tensor:
         raise InputError(
             f"std must broadcast with mean {tuple(mean.shape)}, got {tuple(std.shape)}"
         ) from error
-    value = _check_number("penalty", penalty)
+    value = check_finite_real("penalty", penalty)
     if value < 0:
         raise InputError(f"penalty must be >= 0, got {penalty!r}")
     return mean - value * std

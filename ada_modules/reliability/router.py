@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ada_modules.checks import is_int
 from ada_modules.errors import InputError
 
 __all__ = [
@@ -140,12 +141,12 @@ class HashedNgramEmbedder:
     def __init__(
         self, dim: int = 1024, ngram_range: tuple[int, int] = (2, 4), lowercase: bool = True
     ) -> None:
-        if not _is_int(dim) or dim < 1:
+        if not is_int(dim) or dim < 1:
             raise InputError(f"dim must be an int >= 1, got {dim!r}")
         if (
             not isinstance(ngram_range, Sequence)
             or len(ngram_range) != 2
-            or not all(_is_int(n) for n in ngram_range)
+            or not all(is_int(n) for n in ngram_range)
             or not 1 <= ngram_range[0] <= ngram_range[1]
         ):
             raise InputError(
@@ -224,7 +225,7 @@ class KNNRouter:
     """
 
     def __init__(self, k: int = 15, *, metric: str = "cosine") -> None:
-        if not _is_int(k) or k < 1:
+        if not is_int(k) or k < 1:
             raise InputError(f"k must be an int >= 1, got {k!r}")
         if metric not in _METRICS:
             raise InputError(f"metric must be one of {_METRICS}, got {metric!r}")
@@ -442,10 +443,6 @@ def cost_at_matched_quality(
     """
     costs = [point.cost for point in frontier if point.quality >= target_quality]
     return min(costs) if costs else None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _option_names(option_names: Sequence[str] | None, options: int) -> list[str]:
