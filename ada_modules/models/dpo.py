@@ -21,6 +21,11 @@ from ada_modules.posttrain.abc import dpo_margin
 __all__ = ["DPOModule"]
 
 
+def _at_least_float32(tensor: Tensor) -> Tensor:
+    """``tensor`` in float32 if it is narrower (bf16/fp16 logits), else as it is (float64 stays)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 class DPOModule(PreferenceModule):
     """DPO of a causal LM against a frozen copy of itself, with a semi-supervised estimator.
 
@@ -114,7 +119,7 @@ class DPOModule(PreferenceModule):
 
     def _sequence_logps(self, model: nn.Module, ids: Tensor) -> Tensor:
         out, targets, mask = self._logits_and_targets(model, ids)
-        logps = F.log_softmax(out.logits[:, :-1].float(), -1)
+        logps = F.log_softmax(_at_least_float32(out.logits[:, :-1]), -1)
         return (logps.gather(-1, targets[..., None]).squeeze(-1) * mask).sum(1)
 
     def margin(self, batch: dict[str, Tensor]) -> Tensor:
@@ -129,11 +134,11 @@ class DPOModule(PreferenceModule):
     def margin_and_head_gradients(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         ids, count = pair_tokens(batch)
         out, targets, mask = self._logits_and_targets(self.policy, ids, hidden=True)
-        logits = out.logits[:, :-1].float()
+        logits = _at_least_float32(out.logits[:, :-1])
         probs = logits.softmax(-1)
         residual = F.one_hot(targets, probs.shape[-1]).to(probs.dtype) - probs
         residual = residual * mask[..., None]
-        hidden = out.hidden_states[-1][:, :-1].float()
+        hidden = _at_least_float32(out.hidden_states[-1][:, :-1])
         head_grads = torch.einsum("btv,bth->bvh", residual, hidden).flatten(1)
         policy = F.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1) * mask
         policy = policy.sum(1)
@@ -154,7 +159,7 @@ class DPOModule(PreferenceModule):
         finished = torch.zeros(self.num_samples, dtype=torch.bool, device=self.device)
         with torch.no_grad():
             for _ in range(world.max_length + 4):
-                logits = self.policy(input_ids=ids).logits[:, -1].float()
+                logits = _at_least_float32(self.policy(input_ids=ids).logits[:, -1])
                 token = torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
                 token = torch.where(finished, self.tokenizer.pad_id, token)
                 finished |= token == self.tokenizer.eos_id

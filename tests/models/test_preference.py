@@ -111,6 +111,21 @@ def test_dpo_head_gradients_equal_autograd(seed):
         torch.testing.assert_close(gradients[i], grad.flatten(), atol=1e-6, rtol=1e-4)
 
 
+def test_dpo_in_float64_computes_its_margins_in_float64(seed):
+    model = DPOModule(**TINY, num_samples=0, beta=0.5).double().eval()
+    with torch.no_grad():
+        for parameter in model.policy.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    batch = _batch(3)
+    margin, gradients = model.margin_and_head_gradients(batch)
+    assert margin.dtype == gradients.dtype == torch.float64
+    expected_margin = model.margin(batch)
+    assert expected_margin.dtype == torch.float64
+    weight = model.policy.lm_head.weight
+    (grad,) = torch.autograd.grad(expected_margin[0], weight)
+    torch.testing.assert_close(gradients[0], grad.flatten(), atol=1e-12, rtol=1e-10)
+
+
 def test_dpo_reference_stays_frozen_while_the_policy_trains(seed, cpu_trainer):
     model = DPOModule(estimator="ppi", **TINY, num_samples=0)
     reference = {k: v.clone() for k, v in model.reference.state_dict().items()}
