@@ -25,6 +25,43 @@ from ada_modules.merging.stats import collect_activation_stats, collect_fisher, 
 __all__ = ["MergeModule"]
 
 
+def _is_merge_output(name: str) -> bool:
+    """Whether ``name`` is one of the entries :class:`MergeModule` writes into ``output_dir``."""
+    fixed = ("merged.ckpt", "merge_report.json", "hf_model", "statistics.pt")
+    numbered = name.removeprefix("statistics_model").removesuffix(".pt")
+    return name in fixed or (name.startswith("statistics_model") and numbered.isdigit())
+
+
+def _check_output_dir(output_dir: Any, inputs: Sequence[str]) -> None:
+    """Refuse an ``output_dir`` whose replacement would delete more than an earlier merge."""
+    if output_dir is None:
+        return
+    if not isinstance(output_dir, str | os.PathLike) or not str(output_dir):
+        raise InputError(f"output_dir must be None or a folder path, got {output_dir!r}")
+    target = Path(output_dir).resolve()
+    if target == Path.cwd().resolve() or target in Path.cwd().resolve().parents:
+        raise InputError(
+            f"output_dir {str(output_dir)!r} is the working folder or holds it; the merge replaces "
+            "output_dir whole: name a folder of its own"
+        )
+    for path in inputs:
+        if target in Path(path).resolve().parents:
+            raise InputError(
+                f"output_dir {str(output_dir)!r} holds the input checkpoint {path!r}; the merge "
+                "replaces output_dir whole: name another folder"
+            )
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise InputError(f"output_dir {str(output_dir)!r} is a file, not a folder")
+    others = sorted(p.name for p in target.iterdir() if not _is_merge_output(p.name))
+    if others:
+        raise InputError(
+            f"output_dir {str(output_dir)!r} holds {others[:3]}, which a merge does not write; "
+            "the merge replaces output_dir whole: name a new or empty folder, or an earlier merge's"
+        )
+
+
 class MergeModule(LightningModule):
     """Merges specialists into their base (any method of :mod:`ada_modules.merging`) and tests it.
 
@@ -72,7 +109,10 @@ class MergeModule(LightningModule):
             (``None``: all).
         specialist_stats_from: Whose activations give a specialist's statistics on its domain:
             ``"specialist"`` or ``"base"``.
-        output_dir: Folder to write the merge to (replaced whole if it exists), or ``None``.
+        output_dir: Folder to write the merge to, or ``None``. An existing one is replaced whole
+            if it is empty or holds only what a merge writes (an earlier merge); a folder holding
+            anything else, the working folder or one above it, or a folder holding an input
+            checkpoint is refused.
         seed: Seed of DARE's random drops (``None``: the ``seed_everything`` seed).
 
     Raises:
@@ -134,6 +174,7 @@ class MergeModule(LightningModule):
         self.calibration_batches = calibration_batches
         self.specialist_stats_from = specialist_stats_from
         self.output_dir = output_dir
+        _check_output_dir(output_dir, [base_model, *(e.model for e in self.recipe.models)])
         self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
         self.base: nn.Module | None = None
         self.specialists = nn.ModuleList()
@@ -224,6 +265,9 @@ class MergeModule(LightningModule):
         ]
 
     def _write(self, base_stats: Any, specialist_stats: Any) -> None:
+        _check_output_dir(
+            self.output_dir, [self.base_model, *(e.model for e in self.recipe.models)]
+        )
         target = Path(self.output_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
         # a unique name, made with the umask's permissions (mkdtemp's are 0700)

@@ -90,11 +90,11 @@ def _test(module, datamodule, folder) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def amaris_run(checkpoints, datamodule, tmp_path_factory):
-    """One AMARIS merge and test, written over a stale output folder."""
+    """One AMARIS merge and test, written over an earlier merge of two specialists."""
     folder = tmp_path_factory.mktemp("amaris_run")
     output = folder / "merged"
     output.mkdir()
-    (output / "stale.txt").write_text("from an earlier merge")
+    (output / "statistics_model1.pt").write_text("from an earlier merge")
     module = _module(checkpoints, output_dir=str(output))
     return module, _test(module, datamodule, folder), output
 
@@ -326,3 +326,58 @@ def test_a_failed_write_keeps_the_previous_output(checkpoints, datamodule, tmp_p
     assert [p.name for p in tmp_path.iterdir()] == ["merged"]
     assert [p.name for p in output.iterdir()] == ["merged.ckpt"]
     assert (output / "merged.ckpt").read_text() == "the previous merge"
+
+
+def _tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["working-folder", "above-it", "empty-string", "inputs-folder"])
+def test_an_output_dir_holding_more_than_a_merge_is_refused(
+    checkpoints, tmp_path, monkeypatch, where
+):
+    """output_dir is replaced whole: "." or the checkpoints' folder would have been deleted."""
+    project = tmp_path / "project"
+    (project / "ckpts").mkdir(parents=True)
+    (project / "notes.txt").write_text("mine")
+    base = project / "ckpts" / "base.ckpt"
+    base.write_bytes(Path(checkpoints["base"]).read_bytes())
+    monkeypatch.chdir(project)
+    output_dir = {"working-folder": ".", "above-it": "..", "empty-string": ""}.get(where, "ckpts")
+    before = _tree(tmp_path)
+    message = {
+        "working-folder": "is the working folder or holds it",
+        "above-it": "is the working folder or holds it",
+        "empty-string": "output_dir must be None or a folder path, got ''",
+        "inputs-folder": "holds the input checkpoint 'ckpts/base.ckpt'",
+    }[where]
+    with pytest.raises(InputError, match=message):
+        _module(checkpoints, base_model="ckpts/base.ckpt", output_dir=output_dir)
+    assert _tree(tmp_path) == before
+
+
+def test_an_output_dir_with_other_files_is_refused_and_an_earlier_merge_is_not(
+    checkpoints, tmp_path
+):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match=r"holds \['notes.txt'\], which a merge does not write"):
+        _module(checkpoints, output_dir=str(mine))
+    with pytest.raises(InputError, match="is a file, not a folder"):
+        _module(checkpoints, output_dir=str(mine / "notes.txt"))
+    earlier = tmp_path / "earlier"
+    (earlier / "hf_model").mkdir(parents=True)
+    for name in ("merged.ckpt", "merge_report.json", "statistics.pt", "statistics_model0.pt"):
+        (earlier / name).write_text("an earlier merge")
+    _module(checkpoints, output_dir=str(earlier))  # accepted: it is replaced when the merge is done
+
+
+def test_output_dir_is_checked_again_when_the_merge_is_written(checkpoints, datamodule, tmp_path):
+    output = tmp_path / "merged"
+    module = _module(checkpoints, "base", {}, output_dir=str(output))
+    output.mkdir()
+    (output / "notes.txt").write_text("written after the module was built")
+    with pytest.raises(InputError, match=r"holds \['notes.txt'\]"):
+        _trainer(tmp_path).test(module, datamodule=datamodule, verbose=False)
+    assert _tree(output) == ["notes.txt"]
