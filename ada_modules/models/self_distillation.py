@@ -14,6 +14,7 @@ from ada_modules.posttrain.advantages import RolloutStats
 from ada_modules.posttrain.avsd import (
     AVSDTarget,
     avsd_target,
+    check_gate,
     generalized_jsd,
     sampled_token_advantages,
 )
@@ -162,10 +163,7 @@ class SelfDistillationModule(OnPolicyModule):
             raise InputError(
                 f"teacher_views must name some of the views {sorted(views)}, got {teacher_views!r}"
             )
-        if gate != "adaptive" and not (isinstance(gate, int | float) and 0.0 <= gate <= 1.0):
-            raise InputError(f"gate must be 'adaptive' or a number in [0, 1], got {gate!r}")
-        if not gate_sharpness >= 0:
-            raise InputError(f"gate_sharpness must be >= 0, got {gate_sharpness!r}")
+        check_gate(gate, gate_threshold, gate_sharpness, residual_scale)
         if distillation not in _MODES:
             raise InputError(f"distillation must be one of {_MODES}, got {distillation!r}")
         if not 0.0 <= beta <= 1.0:
@@ -201,7 +199,8 @@ class SelfDistillationModule(OnPolicyModule):
 
         The model stays frozen whatever ``teacher`` says (no EMA), is moved to the module's
         device when RL starts (it is not sharded with the policy), and is not saved in
-        checkpoints (call this again after loading one).
+        checkpoints: ``fit(ckpt_path=...)`` keeps it, a module from ``load_from_checkpoint``
+        needs this call again.
 
         Raises:
             ValueError: If ``model``'s vocabulary size differs from the student's.
@@ -486,5 +485,6 @@ class SelfDistillationModule(OnPolicyModule):
         """
         super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("self_distillation_teacher")
-        self._teacher_model.clear()
+        if not self._external_teacher:  # use_teacher's model is not in checkpoints: it stays
+            self._teacher_model.clear()
         self._restored_teacher = state if state is not None and self._own_frozen_teacher() else None

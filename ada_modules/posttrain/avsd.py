@@ -38,12 +38,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ada_modules.checks import is_finite_real
 from ada_modules.errors import InputError
 
 __all__ = [
     "AVSDTarget",
     "ViewPool",
     "avsd_target",
+    "check_gate",
     "generalized_jsd",
     "pool_views",
     "sampled_token_advantages",
@@ -106,6 +108,9 @@ def _kl(p: Tensor, q: Tensor) -> Tensor:
 def pool_views(view_logps: Tensor) -> ViewPool:
     """Consensus, permissive target and normalised disagreement of ``M`` views.
 
+    Where no token has every view's support (say, top-k views that share no token), the
+    geometric consensus is empty; there the consensus is the arithmetic pool.
+
     Args:
         view_logps: Log-probabilities of each view, shape ``(M, ..., V)`` (each row normalised;
             ``-inf`` for a token a view rules out). A target: with ``-inf`` entries, gradients
@@ -116,13 +121,28 @@ def pool_views(view_logps: Tensor) -> ViewPool:
     """
     _check_views(view_logps)
     num_views = view_logps.shape[0]
-    consensus = torch.log_softmax(view_logps.mean(0), dim=-1)
+    mean = view_logps.mean(0)
     permissive = torch.logsumexp(view_logps, dim=0) - math.log(num_views)
+    no_common_token = (mean == -math.inf).all(-1, keepdim=True)
+    consensus = torch.where(no_common_token, permissive, torch.log_softmax(mean, dim=-1))
     if num_views == 1:
         return ViewPool(consensus, view_logps[0], torch.zeros_like(view_logps[0, ..., 0]))
     spread = _kl(view_logps, permissive).mean(0)
     disagreement = (spread / math.log(num_views)).clamp(0.0, 1.0)
     return ViewPool(consensus, permissive, disagreement)
+
+
+def check_gate(
+    gate: float | str, gate_threshold: float, gate_sharpness: float, residual_scale: float
+) -> None:
+    """Raise an ``InputError`` naming the first of :func:`avsd_target`'s gate arguments that is bad."""
+    if gate != "adaptive" and not (is_finite_real(gate) and 0.0 <= gate <= 1.0):
+        raise InputError(f"gate must be 'adaptive' or a number in [0, 1], got {gate!r}")
+    if not (is_finite_real(gate_sharpness) and gate_sharpness >= 0):
+        raise InputError(f"gate_sharpness must be a finite number >= 0, got {gate_sharpness!r}")
+    for name, value in (("gate_threshold", gate_threshold), ("residual_scale", residual_scale)):
+        if not is_finite_real(value):
+            raise InputError(f"{name} must be a finite number, got {value!r}")
 
 
 def avsd_target(
@@ -143,13 +163,10 @@ def avsd_target(
         residual_scale: ``w = max(0, 1 + residual_scale * D / log M)``; 0 gives ``w = 1``.
 
     Raises:
-        ValueError: If ``gate`` is neither ``"adaptive"`` nor in ``[0, 1]``, or
-            ``gate_sharpness < 0``.
+        ValueError: If ``gate`` is neither ``"adaptive"`` nor in ``[0, 1]``, ``gate_sharpness``
+            is not a finite number >= 0, or ``gate_threshold``/``residual_scale`` not finite.
     """
-    if gate != "adaptive" and not (isinstance(gate, int | float) and 0.0 <= gate <= 1.0):
-        raise InputError(f"gate must be 'adaptive' or a number in [0, 1], got {gate!r}")
-    if not gate_sharpness >= 0:
-        raise InputError(f"gate_sharpness must be >= 0, got {gate_sharpness!r}")
+    check_gate(gate, gate_threshold, gate_sharpness, residual_scale)
     pool = pool_views(view_logps)
     if gate == "adaptive":
         g = torch.sigmoid(gate_sharpness * (gate_threshold - pool.disagreement))

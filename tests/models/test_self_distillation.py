@@ -1,5 +1,6 @@
 """SelfDistillationModule: teacher inputs, reductions to OPSD and GRPO, warm start, fits, bad input."""
 
+import math
 from pathlib import Path
 from unittest import mock
 
@@ -53,6 +54,8 @@ def _advantages(module, env, seeds):
         ({"gate": 1.5}, "gate must be 'adaptive' or a number in \\[0, 1\\], got 1.5"),
         ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
         ({"teacher": "frozen"}, "teacher must be one of"),
+        ({"gate_threshold": math.nan}, "gate_threshold must be a finite number, got nan"),
+        ({"residual_scale": math.nan}, "residual_scale must be a finite number, got nan"),
         ({"distillation": "topk"}, "distillation must be one of"),
         ({"distillation_weight": 1.5}, "distillation_weight must be in \\[0, 1\\], got 1.5"),
         ({"beta": -0.5}, "beta must be in \\[0, 1\\], got -0.5"),
@@ -307,6 +310,12 @@ def test_resuming_restores_the_frozen_teacher_unless_the_teacher_is_now_live(
     trainer = cpu_trainer(max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(live, data, ckpt_path=path)
     assert live.teacher_model() is live.model
+    given = build("base", 80)  # a use_teacher model is not in the checkpoint: resuming keeps it
+    other = build_causal_lm(given.tokenizer, "llama", **{**TINY, "config_overrides": None})
+    given.use_teacher(other)
+    trainer = cpu_trainer(max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(given, data, ckpt_path=path)
+    assert given.rl_steps > first.rl_steps and given.teacher_model() is other
 
 
 def test_a_given_teacher_stays_frozen_even_with_ema_and_may_be_larger(seed, cpu_trainer):

@@ -86,6 +86,20 @@ def test_disjoint_views_disagree_fully_and_the_adaptive_gate_turns_conservative(
     assert abs(same.gate.item() - torch.sigmoid(torch.tensor(2.0)).item()) < 1e-6
 
 
+@pytest.mark.parametrize("gate", [0.0, 0.5, "adaptive"])
+def test_views_with_no_common_token_fall_back_to_the_arithmetic_pool(gate):
+    """Top-k views that share no token: the geometric consensus is empty (it was NaN)."""
+    views = torch.tensor([[[0.0, -math.inf, -math.inf]], [[-math.inf, -0.1, -2.4]]])
+    views = torch.log_softmax(views, dim=-1)
+    pool = pool_views(views)
+    torch.testing.assert_close(pool.consensus, pool.permissive)
+    assert pool.consensus.exp().sum().item() == pytest.approx(1.0)
+    target = avsd_target(views, gate=gate)
+    torch.testing.assert_close(target.logp, pool.permissive)
+    shared = torch.log_softmax(torch.tensor([[[0.0, -1.0, -math.inf]], [[-1.0, 0.0, -9.0]]]), -1)
+    assert pool_views(shared).consensus[0, 2] == -math.inf  # a common token: the geometric pool
+
+
 def test_residual_scale_shrinks_or_grows_the_token_weight_with_disagreement():
     views = _views(3)
     disagreement = pool_views(views).disagreement
@@ -165,7 +179,20 @@ def test_tokens_a_view_rules_out_give_the_limit_of_tiny_probabilities(gate):
     [
         (lambda: avsd_target(_views(2), gate=1.5), "gate must be 'adaptive' or a number"),
         (lambda: avsd_target(_views(2), gate="soft"), "gate must be 'adaptive' or a number"),
-        (lambda: avsd_target(_views(2), gate_sharpness=-1.0), "gate_sharpness must be >= 0"),
+        (
+            lambda: avsd_target(_views(2), gate_sharpness=-1.0),
+            "gate_sharpness must be a finite number >= 0, got -1.0",
+        ),
+        (lambda: avsd_target(_views(2), gate=math.nan), "gate must be 'adaptive' or a number"),
+        (lambda: avsd_target(_views(2), gate=True), "gate must be 'adaptive' or a number"),
+        (
+            lambda: avsd_target(_views(2), gate_threshold=math.nan),
+            "gate_threshold must be a finite number, got nan",
+        ),
+        (
+            lambda: avsd_target(_views(2), residual_scale=-math.inf),
+            "residual_scale must be a finite number, got -inf",
+        ),
         (lambda: pool_views(torch.zeros(0, 3, 5)), "at least one view"),
         (lambda: generalized_jsd(*_views(2), beta=-0.1), "beta must be in"),
         (lambda: generalized_jsd(_views(1)[0], _views(1, vocab=5)[0]), "same shape"),
