@@ -67,6 +67,7 @@ from typing import Any, Literal
 
 import torch
 
+from ada_modules.checks import is_finite_real
 from ada_modules.errors import InputError
 from ada_modules.merging.parameter_space import task_arithmetic
 from ada_modules.merging.state_dicts import (
@@ -78,7 +79,12 @@ from ada_modules.merging.state_dicts import (
     set_augmented_weight,
     untie_members,
 )
-from ada_modules.merging.stats import ActivationStats, check_stats, check_stats_fit
+from ada_modules.merging.stats import (
+    ActivationStats,
+    check_stats,
+    check_stats_fit,
+    require_layers_with_stats,
+)
 
 __all__ = [
     "LayerReport",
@@ -344,8 +350,8 @@ def amaris(
     budget = _check_number("budget", budget, 0.0, 1.0)
     if isinstance(ridge, bool) or not isinstance(ridge, int | float) or not ridge >= 0:
         raise InputError(f"ridge must be a number >= 0, got {ridge!r}")
-    if isinstance(min_gamma, bool) or not isinstance(min_gamma, int | float):
-        raise InputError(f"min_gamma must be a number, got {min_gamma!r}")
+    if not is_finite_real(min_gamma):
+        raise InputError(f"min_gamma must be a finite number, got {min_gamma!r}")
     if other not in ("base", "task_arithmetic"):
         raise InputError(f"other must be 'base' or 'task_arithmetic', got {other!r}")
     check_compatible(base, specialists)
@@ -370,6 +376,7 @@ def amaris(
     # whose weight is a later key is not gated), then share the result.
     tied, base, specialists = untie_members(base, specialists)
     layers = _layers_with_stats(base, specialist_stats, base_stats)
+    require_layers_with_stats(layers, "amaris")
 
     if other == "task_arithmetic":
         merged = task_arithmetic(base, specialists, weights)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ada_modules.checks import is_finite_real
 from ada_modules.errors import InputError
 from ada_modules.merging.amaris import amaris
 from ada_modules.merging.fisher import fisher_merge
@@ -71,9 +72,18 @@ class ModelEntry:
                 raise InputError(
                     f"{where}.{key} must be a non-empty string, got {entry.get(key)!r}"
                 )
-        parameters = dict(entry.get("parameters") or {})
+        parameters = _mapping(f"{where}.parameters", entry.get("parameters"))
         _check_parameters(f"{where}.parameters", parameters, _MODEL_PARAMETERS)
         return cls(entry["model"], entry["domain"], parameters)
+
+
+def _mapping(where: str, value: object) -> dict[str, Any]:
+    """``value`` (a mapping, or ``None`` for an empty one) as a dict."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InputError(f"{where} must be a mapping of parameter names to values, got {value!r}")
+    return dict(value)
 
 
 def _check_parameters(where: str, parameters: Mapping[str, Any], allowed: Sequence[str]) -> None:
@@ -82,8 +92,10 @@ def _check_parameters(where: str, parameters: Mapping[str, Any], allowed: Sequen
             allowed_text = ", ".join(allowed) or "none"
             raise InputError(f"{where} has unknown key {key!r} (allowed: {allowed_text})")
         if key in ("weight", "density", "budget", "alpha", "ridge", "eps", "min_gamma"):
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise InputError(f"{where}.{key} must be a number, got {value!r}")
+            if not is_finite_real(value):
+                raise InputError(f"{where}.{key} must be a finite number, got {value!r}")
+        if key in ("normalize", "rescale", "include_base") and not isinstance(value, bool):
+            raise InputError(f"{where}.{key} must be true or false, got {value!r}")
     density = parameters.get("density")
     if density is not None and not 0 < density <= 1:
         raise InputError(f"{where}.density must be in (0, 1], got {density}")
@@ -132,7 +144,7 @@ class MergeRecipe:
                         f"(it reads {', '.join(_USES[method]) or 'no per-model parameter'})"
                     )
         defaults, _ = METHODS[method]
-        given = dict(parameters or {})
+        given = _mapping("parameters", parameters)
         _check_parameters("parameters", given, [*defaults, *_USES[method]])
         if "other" in given and given["other"] not in ("base", "task_arithmetic"):
             raise InputError(

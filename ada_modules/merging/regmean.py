@@ -44,7 +44,12 @@ from ada_modules.merging.state_dicts import (
     untie,
     untie_members,
 )
-from ada_modules.merging.stats import ActivationStats, check_stats, check_stats_fit
+from ada_modules.merging.stats import (
+    ActivationStats,
+    check_stats,
+    check_stats_fit,
+    require_layers_with_stats,
+)
 
 __all__ = ["regmean"]
 
@@ -111,9 +116,9 @@ def regmean(
         mean = sum(m[name].to(dtype) for m in members) / len(members)
         merged[name] = mean.to(tensor.dtype)
 
-    for layer in linear_layers(base):
-        if not all(layer in stats for stats in member_stats):
-            continue
+    layers = [layer for layer in linear_layers(base) if all(layer in s for s in member_stats)]
+    require_layers_with_stats(layers, "regmean")
+    for layer in layers:
         weights = [augmented_weight(m, layer) for m in members]
         device = weights[0].device
         grams = [_scaled_gram(stats[layer], alpha, device) for stats in member_stats]

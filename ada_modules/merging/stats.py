@@ -387,6 +387,17 @@ def check_stats_fit(
             )
 
 
+def require_layers_with_stats(layers: Sequence[str], method: str) -> None:
+    """Refuse a statistics merge that would gate no layer (it would silently be its fallback)."""
+    if not layers:
+        raise InputError(
+            f"{method}: no linear layer of the base has statistics, so no layer would be merged "
+            "by them. Statistics come from nn.Linear modules (collect_activation_stats); a model "
+            "built on transformers' Conv1D (GPT-2) has none but its tied output head, which is "
+            "merged under the embedding's key"
+        )
+
+
 def save_stats(stats: Mapping[str, ActivationStats], path: str | os.PathLike[str]) -> None:
     """Write statistics with ``torch.save``, atomically (a temporary file, then ``os.replace``).
 

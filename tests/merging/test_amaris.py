@@ -419,8 +419,11 @@ def test_amaris_bad_input():
         run(other="mean")
     with pytest.raises(InputError, match="ridge must be a number >= 0, got -1"):
         run(ridge=-1)
-    with pytest.raises(InputError, match="min_gamma must be a number, got None"):
-        run(min_gamma=None)
+    for min_gamma in (None, float("nan"), float("inf")):  # NaN kept every direction
+        with pytest.raises(InputError, match=f"min_gamma must be a finite number, got {min_gamma}"):
+            run(min_gamma=min_gamma)
+    with pytest.raises(InputError, match="^amaris: no linear layer of the base has statistics"):
+        run(specialist_stats=[{}, {}], base_stats={})  # e.g. GPT-2: Conv1D layers, no nn.Linear
     with pytest.raises(InputError, match="at least one specialist"):
         run(specialists=[], specialist_stats=[])
 

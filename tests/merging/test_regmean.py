@@ -120,9 +120,14 @@ def test_other_tensors_are_averaged_and_integers_come_from_the_base():
     assert torch.equal(merged["norm.weight"], torch.full((4,), 2.5))  # mean of 2 and 3
     assert torch.equal(merged["head.weight"], torch.full((2, 3), 2.5))
     assert merged["steps"].item() == 7
-    # a layer with statistics in only one member is averaged too
+    # a layer with statistics in only one member is averaged too; with no other layer, nothing
+    # would be merged by statistics, and that is refused rather than silently an average
     partial = [stats[0], {}]
-    averaged = regmean(base, models, partial)
+    with pytest.raises(InputError, match="^regmean: no linear layer of the base has statistics"):
+        regmean(base, models, partial)
+    base["head.bias"], models[0]["head.bias"], models[1]["head.bias"] = (torch.zeros(2),) * 3
+    head = ActivationStats(torch.eye(4, dtype=torch.float64), 8, has_bias=True)
+    averaged = regmean(base, models, [{**stats[0], "head": head}, {"head": head}])
     expected = (models[0]["fc.weight"] + models[1]["fc.weight"]) / 2
     assert torch.allclose(averaged["fc.weight"], expected)
 
@@ -150,6 +155,8 @@ def test_bad_input():
         regmean(base, models, stats, ridge=True)
     with pytest.raises(InputError, match=r"one statistics mapping per member \(2\)"):
         regmean(base, models, stats[:1])
+    with pytest.raises(InputError, match="^regmean: no linear layer of the base has statistics"):
+        regmean(base, models, [{}, {}])
     wrong = {"fc": ActivationStats(torch.eye(4, dtype=torch.float64), 9, has_bias=False)}
     with pytest.raises(InputError, match="^layer 'fc': member 1's statistics have dim 4"):
         regmean(base, models, [stats[0], wrong])

@@ -179,3 +179,26 @@ def test_a_member_storing_a_tie_once_merges_as_with_both_keys(models, method):
     assert merged.keys() == expected.keys()
     for name in base:
         assert torch.equal(merged[name], expected[name]), name
+
+
+@pytest.mark.parametrize(
+    ("models", "parameters", "message"),
+    [
+        (
+            [{"model": "s", "domain": "d"}],
+            {"normalize": "false"},
+            "normalize must be true or false",
+        ),
+        ([{"model": "s", "domain": "d"}], ["weight", 0.5], "parameters must be a mapping"),
+        (
+            [{"model": "s", "domain": "d", "parameters": [0.5]}],
+            None,
+            r"models\[0\].parameters must be a mapping",
+        ),
+        ([{"model": "s", "domain": "d"}], {"weight": float("nan")}, "weight must be a finite"),
+    ],
+)
+def test_recipe_parameters_of_the_wrong_kind_are_named(models, parameters, message):
+    """'false' was read as true (normalize, rescale, include_base) from the Python API."""
+    with pytest.raises(InputError, match=message):
+        MergeRecipe.build("task_arithmetic", models, parameters)

@@ -227,7 +227,7 @@ def test_task_arithmetic_with_weight_one_gives_the_specialist(checkpoints, datam
         ({"parameters": {"budget": 0.1, "temperature": 2}}, "unknown key 'temperature'"),
         ({"parameters": {"budget": 0}}, r"budget must be in \(0, 1\], got 0"),
         ({"parameters": {"budget": 1.5}}, r"budget must be in \(0, 1\], got 1.5"),
-        ({"parameters": {"budget": True}}, "budget must be a number, got True"),
+        ({"parameters": {"budget": True}}, "budget must be a finite number, got True"),
         ({"method": "ties", "parameters": {"density": 0}}, r"density must be in \(0, 1\], got 0"),
         (
             {"entry": {"parameters": {"density": 0}}, "method": "dare_linear"},
