@@ -168,6 +168,12 @@ def wrap_module_list(
     blocks = list(container)[start:]
     if not blocks:
         raise InputError(f"container has no blocks to route from index start={start}")
+    routed = next((i for i, block in enumerate(blocks) if isinstance(block, RoutedBlock)), None)
+    if routed is not None:
+        raise InputError(
+            f"block {start + routed} is already a RoutedBlock: the model is wrapped already "
+            "(wrapping twice would leave the first routers in the blocks but out of the model)"
+        )
     if hasattr(owner, name):
         raise InputError(f"owner already has an attribute {name!r}; pass another name")
     router = ConnectivityRouter(len(blocks), **router_kwargs)

@@ -37,7 +37,7 @@ from torch import nn
 from ada_modules.errors import InputError
 from ada_modules.kernels import Impl
 from ada_modules.nn._diffusers_blocks import wrappable_transformer_blocks
-from ada_modules.nn.ancre import ANCReStack, wrap_module_list
+from ada_modules.nn.ancre import ANCReStack, RoutedBlock, wrap_module_list
 from ada_modules.nn.ancre_router import MODES, ConnectivityRouter, Mode, StateGrads
 
 __all__ = [
@@ -219,6 +219,12 @@ def wrap_timm(model: nn.Module, **router_kwargs: Any) -> nn.Module:
         raise InputError(
             f"{type(model).__name__} is neither ViT-like (.blocks), a ResNet (.layer1-4), a "
             "ConvNeXt (.stages) nor a Swin (.layers)"
+        )
+    routed = [s.name for s in stages if any(isinstance(b, RoutedBlock) for b in s.blocks)]
+    if routed or hasattr(model, "connectivity"):
+        found = f"routed blocks in {routed}" if routed else "a .connectivity attribute"
+        raise InputError(
+            f"{type(model).__name__} is wrapped already (it has {found}): a model is wrapped once"
         )
     mode = router_kwargs.get("mode", "source")
     holder = nn.Module()  # owner of the routers, so that no stage calls them

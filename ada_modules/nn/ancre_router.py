@@ -14,6 +14,7 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
+from ada_modules.checks import is_finite_real, is_int
 from ada_modules.errors import InputError
 from ada_modules.kernels import Impl, routed_sum, routed_sum_reference
 from ada_modules.nn._ancre_deferred import GradientLedger, deferred_routed_sum
@@ -126,8 +127,8 @@ class ConnectivityRouter(nn.Module):
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         for name, value in (("temperature", temperature), ("final_temperature", final_temperature)):
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise InputError(f"{name} must be > 0, got {value!r}")
+            if value is not None and not (is_finite_real(value) and value > 0):
+                raise InputError(f"{name} must be a finite number > 0, got {value!r}")
         if isinstance(anneal_steps, bool) or not isinstance(anneal_steps, int) or anneal_steps < 0:
             raise InputError(f"anneal_steps must be an integer >= 0, got {anneal_steps!r}")
         if final_temperature is not None and anneal_steps < 1:
@@ -138,8 +139,12 @@ class ConnectivityRouter(nn.Module):
             raise InputError(f"top_k must be None or an integer >= 1, got {top_k!r}")
         if top_k is not None and top_k < 1:
             raise InputError(f"top_k must be None or an integer >= 1, got {top_k!r}")
-        if isinstance(lr_scale, bool) or not isinstance(lr_scale, int | float) or lr_scale <= 0:
-            raise InputError(f"lr_scale must be > 0, got {lr_scale!r}")
+        if not (is_finite_real(lr_scale) and lr_scale > 0):
+            raise InputError(f"lr_scale must be a finite number > 0, got {lr_scale!r}")
+        if not is_finite_real(prev_logit):
+            raise InputError(f"prev_logit must be a finite number, got {prev_logit!r}")
+        if not is_int(channel_dim):
+            raise InputError(f"channel_dim must be an integer, got {channel_dim!r}")
         if per_channel and (not isinstance(num_channels, int) or num_channels < 1):
             raise InputError(
                 f"per_channel=True needs num_channels >= 1, got num_channels={num_channels!r}"
@@ -419,8 +424,23 @@ class ConnectivityRouter(nn.Module):
         self._passes.current = p
         return p
 
+    def _check_channels(self, x: torch.Tensor) -> None:
+        """Name a ``channel_dim`` / ``num_channels`` that does not fit the states."""
+        if not -x.ndim <= self.channel_dim < x.ndim:
+            raise InputError(
+                f"channel_dim={self.channel_dim} is out of range for states of shape "
+                f"{tuple(x.shape)}"
+            )
+        if x.shape[self.channel_dim] != self._width:
+            raise InputError(
+                f"num_channels={self._width}, but the states have {x.shape[self.channel_dim]} "
+                f"channels on dim {self.channel_dim} (shape {tuple(x.shape)})"
+            )
+
     def block_input(self, p: Pass, index: int, x: torch.Tensor) -> torch.Tensor:
         """The input of block ``index`` given the previous block's output ``x``."""
+        if self.per_channel and index == 0:
+            self._check_channels(x)
         if self.mode in _INPUT_MODES and index in self._rows:
             return self._routed(p, index, x)
         return x

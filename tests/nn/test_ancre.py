@@ -1,12 +1,14 @@
 """ANCReStack / ConnectivityRouter: identity at init, routing, hard export, memory, bad input."""
 
 import copy
+import math
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ada_modules.errors import InputError
 from ada_modules.nn import ANCReStack, ConnectivityRouter, MLPResNet, export_hard, find_routers
 
 ROUTED = ("source", "input", "denseformer")
@@ -454,11 +456,32 @@ def test_a_block_that_changes_the_shape_is_named():
         ({"per_channel": True}, "num_channels"),
         ({"anneal_steps": -1}, "anneal_steps"),
         ({"lr_scale": 0.0}, "lr_scale"),
+        ({"lr_scale": math.inf}, "lr_scale must be a finite number > 0, got inf"),
+        ({"lr_scale": math.nan}, "lr_scale must be a finite number > 0, got nan"),
+        ({"prev_logit": math.nan}, "prev_logit must be a finite number, got nan"),
+        ({"prev_logit": math.inf}, "prev_logit must be a finite number, got inf"),
+        ({"temperature": math.inf}, "temperature must be a finite number > 0, got inf"),
+        ({"channel_dim": 1.0}, "channel_dim must be an integer, got 1.0"),
     ],
 )
 def test_bad_arguments_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ANCReStack(_branches(2), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_channels": 8, "channel_dim": 2}, r"channel_dim=2 is out of range for states of"),
+        ({"num_channels": 5}, r"num_channels=5, but the states have 8 channels on dim -1"),
+    ],
+)
+def test_per_channel_sizes_that_do_not_fit_the_states_are_named(kwargs, match):
+    stack = ANCReStack(
+        _branches(2), mode="input", residual_in_block=False, per_channel=True, **kwargs
+    )
+    with pytest.raises(InputError, match=match):
+        stack(torch.randn(2, 8))
 
 
 def test_empty_stacks_and_non_modules_are_rejected():

@@ -20,6 +20,7 @@ from helpers.tiny_adapter_models import (
 )
 from torch import nn
 
+from ada_modules.errors import InputError
 from ada_modules.nn import (
     ConnectivityWrapper,
     RoutedBlock,
@@ -246,6 +247,23 @@ def test_adapters_reject_models_they_do_not_know():
         ConnectivityWrapper(mode="dense")
     with pytest.raises(ValueError, match="temperature"):
         ConnectivityWrapper(temperature=0.0)(tiny_llama(2))
+
+
+@pytest.mark.parametrize("build", ["resnet", "convnext", "vit", "llama"])
+def test_a_wrapped_model_is_not_wrapped_again(build):
+    """A second wrap_timm on a ResNet/ConvNeXt nested RoutedBlocks and dropped the first routers
+    from the model's parameters (they kept running in the blocks, never trained nor saved)."""
+    model = {
+        "resnet": _resnet,
+        "convnext": _convnext,
+        "vit": tiny_vit,
+        "llama": lambda: tiny_llama(2),
+    }
+    wrapped = ConnectivityWrapper(mode="source")(model[build]())
+    keys = list(wrapped.state_dict())
+    with pytest.raises(InputError, match="wrapped already"):
+        ConnectivityWrapper(mode="source")(wrapped)
+    assert list(wrapped.state_dict()) == keys
 
 
 def _resnet() -> nn.Module:  # stage 1: two routed blocks; stage 2: one; stages 3, 4: none
