@@ -732,6 +732,11 @@ class OnPolicyModule(LightningModule):
         if self.sft_done < self.sft_steps:
             self._sft_step(task_seeds, optimizers[-1])
             return
+        if self.max_sampled_tokens and self.sampled_tokens >= self.max_sampled_tokens:
+            # resumed from a checkpoint whose budget was spent: stop before sampling any more
+            self._budget_stopped = True
+            self.trainer.should_stop = True
+            return
         self._rl_step(task_seeds, optimizers[0])
 
     def _step(self, optimizer: Any, loss: Tensor) -> None:

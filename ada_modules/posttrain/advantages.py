@@ -306,9 +306,10 @@ def aem_advantages(
     if not 0.0 <= strength <= 1.0:
         raise InputError(f"strength must be in [0, 1], got {strength!r}")
     advantages = grpo_advantages(rewards, scale=scale)
+    # checked at every strength, so that a sweep that starts at 0 meets a bad schedule at once
+    beta = aem_strength(rewards, strength, schedule, progress, entropy, target_entropy)
     if strength == 0.0:
         return advantages
-    beta = aem_strength(rewards, strength, schedule, progress, entropy, target_entropy)
     uncertainty = torch.tanh(relative_surprisal(surprisal))
     return advantages * (1.0 + beta[:, None] * torch.sign(advantages) * uncertainty)
 

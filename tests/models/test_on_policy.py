@@ -274,3 +274,26 @@ def test_the_token_budget_drives_the_progress_bar_and_a_line_says_it_stopped_the
     out = capsys.readouterr().out
     assert "SFT step 1/1: 100%" in out and "sampled tokens 4/4: 100%" in out
     assert bar.train_progress_bar.desc == "sampled tokens 4/4"
+
+
+def test_resuming_a_run_whose_budget_is_spent_trains_no_further(seed, cpu_trainer, tmp_path):
+    """The budget was checked after a step only: a resume sampled one more rollout and added a
+    curve point past the budget (changing success_auc and tokens_to_threshold)."""
+
+    def build() -> OnPolicyModule:
+        return OnPolicyModule(
+            **TINY, group_size=2, sft_steps=1, max_sampled_tokens=4, eval_tasks=2, eval_samples=1
+        )
+
+    def fit(module, **kwargs):
+        dm = EnvTaskDataModule(LetterEnv(), num_train=64, num_val=16, num_test=16, batch_size=2)
+        trainer = cpu_trainer(max_epochs=-1, limit_val_batches=0, num_sanity_val_steps=0)
+        trainer.fit(module, dm, **kwargs)
+        return trainer
+
+    first = build()
+    fit(first).save_checkpoint(tmp_path / "spent.ckpt")
+    resumed = build()
+    fit(resumed, ckpt_path=tmp_path / "spent.ckpt")
+    assert (resumed.rl_steps, resumed.sampled_tokens) == (first.rl_steps, first.sampled_tokens)
+    assert resumed.curve == first.curve

@@ -159,6 +159,11 @@ def test_aem_bad_arguments():
             )
     with pytest.raises(ValueError, match="progress"):
         aem_advantages(rewards, surprisal, schedule="linear", progress=2.0)
+    for strength in (0.0, 0.5):  # at strength 0 (a sweep's first arm) they went unnoticed
+        with pytest.raises(ValueError, match="schedule"):
+            aem_advantages(rewards, surprisal, strength=strength, schedule="bogus")
+        with pytest.raises(ValueError, match="target_entropy"):
+            aem_advantages(rewards, surprisal, strength=strength, schedule="entropy")
 
 
 def test_relative_surprisal_is_standardised():
