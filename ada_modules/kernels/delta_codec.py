@@ -140,7 +140,7 @@ def _check_shard_and_cache(x: torch.Tensor, cache: torch.Tensor) -> None:
         raise InputError(
             f"x and cache must be torch.Tensors, got {type(x).__name__} and {type(cache).__name__}"
         )
-    _check_dtype(x.dtype)
+    _check_dtype(x.dtype, codec="delta")
     _check_cache(cache, x.numel(), x.dtype, x.device)
 
 
@@ -165,7 +165,7 @@ def encoded_nbytes(
         48
     """
     _check_nonnegative_int(numel, "numel")
-    _check_dtype(dtype, "dtype")
+    _check_dtype(dtype, "dtype", codec="delta")
     _check_chunk_size(chunk_size)
     _check_nonnegative_int(stream_nbytes, "stream_nbytes")
     return HEADER_NBYTES + 4 * math.ceil(numel / chunk_size) + stream_nbytes
@@ -353,7 +353,7 @@ def _check_buffer(
     dtype: torch.dtype,
     header: PayloadHeader | None,
 ) -> PayloadHeader:
-    _check_dtype(dtype, "dtype")
+    _check_dtype(dtype, "dtype", codec="delta")
     _check_nonnegative_int(numel, "numel")
     if header is None:
         header = read_header(buffer)

@@ -110,10 +110,10 @@ _MIN_CHUNK, _MAX_CHUNK = 16, 32768  # count fits a uint16; bitmap rows are whole
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_dtype(dtype: torch.dtype, name: str = "x") -> None:
+def _check_dtype(dtype: torch.dtype, name: str = "x", codec: str = "exponent") -> None:
     if dtype not in SUPPORTED_DTYPES:
         raise InputError(
-            f"{name} has dtype {dtype}; the exponent codec supports only torch.bfloat16 and "
+            f"{name} has dtype {dtype}; the {codec} codec supports only torch.bfloat16 and "
             "torch.float32 (fp16/fp8/integer shards must be sent raw)"
         )
 

@@ -145,7 +145,7 @@ class AcceleGrad(Optimizer):
             head = self.state[group["params"][0]]
             t = head["group_step"]
             alpha = accelegrad_alpha(t)
-            head["group_sumsq"] += alpha * alpha * _sum_sq(_norms([p.grad for p in params]))
+            head["group_sumsq"] += alpha * alpha * _grad_sum_sq([p.grad for p in params])
             eta = 2.0 * group["lr"] / math.sqrt(group["g0"] ** 2 + head["group_sumsq"])
             for p in params:
                 st = self.state[p]
@@ -202,6 +202,18 @@ def _norms(tensors: list[Tensor]) -> list[Tensor]:
     if any(t.dtype == torch.float16 for t in tensors):
         return [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
     return torch._foreach_norm(tensors)
+
+
+def _grad_sum_sq(grads: list[Tensor]) -> float:
+    """Sum of the gradients' squared norms, in float64.
+
+    A norm taken in float32 overflows from about 1.8e19 (its square does), which would make the
+    accumulator inf and every later step 0; then the norms are taken again in float64.
+    """
+    total = _sum_sq(_norms(grads))
+    if math.isinf(total):
+        total = _sum_sq([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+    return total
 
 
 def _sum_sq(values: list[Tensor]) -> float:

@@ -207,13 +207,21 @@ class AcceleGradSharp(Optimizer):
             # Norms of sharded gradients are reduced over the ranks, so all ranks agree.
             norms = [plain(n) for n in torch._foreach_norm([p.grad for _, p in indexed])]
             finite = torch.stack([n.isfinite().to(norms[0].device) for n in norms]).tolist()
-            names = [_name(group, i) for (i, _), ok in zip(indexed, finite, strict=True) if not ok]
+            names = []
+            for (i, p), ok in zip(indexed, finite, strict=True):
+                if ok:
+                    continue
+                # a finite gradient whose norm overflows its dtype (|g| above ~1.8e19 in float32)
+                # would make the step size 0 for good: skipped or raised too, under its own name
+                big = bool(torch.linalg.vector_norm(p.grad, dtype=torch.float64).isfinite())
+                what = f"gradient norm overflows {p.grad.dtype}" if big else "non-finite gradient"
+                names.append(f"{what} in {_name(group, i)}")
             if names and group["nonfinite"] == "raise":
-                raise FloatingPointError(f"non-finite gradient in {', '.join(names)}")
+                raise FloatingPointError(", ".join(names))
             bad += names
         if bad:
             warnings.warn(
-                f"AcceleGradSharp: skipped a step, non-finite gradient in {', '.join(bad)}",
+                f"AcceleGradSharp: skipped a step, {', '.join(bad)}",
                 RuntimeWarning,
                 stacklevel=3,
             )

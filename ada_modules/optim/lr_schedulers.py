@@ -5,6 +5,7 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from ada_modules.checks import is_finite_real
 from ada_modules.errors import InputError
 
 __all__ = ["WarmupCosineLR"]
@@ -51,7 +52,7 @@ class WarmupCosineLR(LRScheduler):
             raise InputError(
                 f"total_steps must be an integer > warmup_steps={warmup_steps}, got {total_steps!r}"
             )
-        if not 0.0 <= min_lr_ratio <= 1.0:
+        if not (is_finite_real(min_lr_ratio) and 0.0 <= min_lr_ratio <= 1.0):
             raise InputError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ada_modules.checks import is_finite_real
 from ada_modules.errors import InputError
 from ada_modules.optim._dtensor import shard_like
 from ada_modules.optim.lmo import NORM_NAMES, Norm, auto_norm, get_norm
@@ -116,17 +117,17 @@ class Scion(Optimizer):
             raise InputError(f"unconstrained must be a bool, got {unconstrained!r}")
         lr = group["lr"]
         high = "" if unconstrained else " and <= 1 for the constrained update"
-        if not isinstance(lr, int | float) or not (0 < lr and (unconstrained or lr <= 1)):
-            raise InputError(f"lr must be > 0{high}, got {lr!r}")
+        if not is_finite_real(lr) or not (0 < lr and (unconstrained or lr <= 1)):
+            raise InputError(f"lr must be a finite number > 0{high}, got {lr!r}")
         momentum = group["momentum"]
-        if not isinstance(momentum, int | float) or not 0 < momentum <= 1:
+        if not is_finite_real(momentum) or not 0 < momentum <= 1:
             raise InputError(
                 f"momentum must be in (0, 1] (the weight of the new gradient, one minus the usual "
                 f"beta), got {momentum!r}"
             )
         radius = group["radius"]
-        if not isinstance(radius, int | float) or not radius > 0:
-            raise InputError(f"radius must be > 0, got {radius!r}")
+        if not is_finite_real(radius) or not radius > 0:
+            raise InputError(f"radius must be a finite number > 0, got {radius!r}")
         norm = group["norm"]
         if norm is not None and not isinstance(norm, str | Norm):
             raise InputError(f"norm must be a name, a Norm or None, got {norm!r}")

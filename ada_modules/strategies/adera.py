@@ -52,6 +52,7 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
+from ada_modules.checks import is_finite_real
 from ada_modules.errors import InputError
 from ada_modules.kernels import delta_codec
 from ada_modules.kernels import exponent_codec as codec
@@ -262,10 +263,10 @@ class AdERAAllGather(_AllGatherBase):
             raise InputError(
                 f"chunk_size must be a power of two in [16, 32768], got {chunk_size!r}"
             )
-        if not 0 <= initial_capacity <= 1:
+        if not (is_finite_real(initial_capacity) and 0 <= initial_capacity <= 1):
             raise InputError(f"initial_capacity must be in [0, 1], got {initial_capacity!r}")
-        if not headroom >= 1:
-            raise InputError(f"headroom must be >= 1, got {headroom!r}")
+        if not (is_finite_real(headroom) and headroom >= 1):
+            raise InputError(f"headroom must be a finite number >= 1, got {headroom!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InputError(f"window must be a positive int, got {window!r}")
         if isinstance(period, bool) or not isinstance(period, int) or not 1 <= period <= window:

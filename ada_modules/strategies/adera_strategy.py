@@ -140,6 +140,9 @@ class AdERAStrategy(ModelParallelStrategy):
             raise InputError(f"trace_path must be None or a non-empty path, got {trace_path!r}")
         if shard is not None:
             check_shard_spec(shard)
+        for name, flag in (("calibrate", calibrate), ("shadow", shadow)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{name} must be true or false, got {flag!r}")
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,

@@ -118,6 +118,15 @@ def test_float16_gradient_norms_do_not_overflow() -> None:
     assert opt.state[w2]["z"].float().norm().item() == pytest.approx(1e5, rel=1e-2)
 
 
+def test_float32_gradient_norms_past_float32_are_taken_in_float64() -> None:
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = AcceleGrad([w], lr=0.1)
+    w.grad = torch.full_like(w, 3e19)  # norm 6e19: its square is past float32's 3.4e38
+    opt.step()
+    assert opt.state[w]["group_sumsq"] == pytest.approx(4 * 3e19**2, rel=1e-6)  # was inf
+    assert bool((w < 1).all())  # a step was taken (an inf accumulator made every step 0)
+
+
 def test_state_dict_resume_bitwise() -> None:
     torch.manual_seed(0)
     a = torch.randn(6, 4)

@@ -172,6 +172,17 @@ def test_nonfinite_raise_names_the_parameter() -> None:
         opt.step()
 
 
+def test_a_finite_gradient_whose_norm_overflows_is_not_called_non_finite() -> None:
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = AcceleGradSharp([w], lr=0.1)
+    w.grad = torch.full_like(w, 3e19)
+    with pytest.raises(FloatingPointError, match=r"^gradient norm overflows torch.float32 in "):
+        opt.step()
+    w.grad[0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"^non-finite gradient in "):
+        opt.step()
+
+
 def test_nonfinite_skip_leaves_state_and_params_untouched() -> None:
     net = _mlp()
     opt = AcceleGradSharp(net.parameters(), lr=0.05, nonfinite="skip")

@@ -36,6 +36,8 @@ def test_no_warmup_starts_at_the_base_rate():
         ({"warmup_steps": -1, "total_steps": 10}, "warmup_steps"),
         ({"warmup_steps": 10, "total_steps": 10}, "total_steps"),
         ({"warmup_steps": 1, "total_steps": 10, "min_lr_ratio": 1.5}, "min_lr_ratio"),
+        ({"warmup_steps": 1, "total_steps": 10, "min_lr_ratio": None}, "min_lr_ratio"),
+        ({"warmup_steps": 1, "total_steps": 10, "min_lr_ratio": "0.1"}, "min_lr_ratio"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, name):

@@ -178,12 +178,15 @@ def test_parameters_without_grad_are_skipped_and_closure_loss_returned() -> None
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"lr": 0.0}, ValueError, r"lr must be > 0.*got 0.0"),
+        ({"lr": 0.0}, ValueError, r"lr must be a finite number > 0.*got 0.0"),
+        ({"lr": True}, ValueError, r"lr must be a finite number > 0.*got True"),
+        ({"lr": math.inf, "unconstrained": True}, ValueError, r"lr must be a finite.*got inf"),
         ({"lr": -1e-3}, ValueError, "lr"),
         ({"lr": 1.5}, ValueError, r"<= 1 for the constrained update, got 1.5"),
         ({"momentum": 0.0}, ValueError, r"momentum must be in \(0, 1\].*got 0.0"),
         ({"momentum": 1.1}, ValueError, "momentum"),
-        ({"radius": -2.0}, ValueError, r"radius must be > 0, got -2.0"),
+        ({"radius": -2.0}, ValueError, r"radius must be a finite number > 0, got -2.0"),
+        ({"radius": math.inf}, ValueError, r"radius must be a finite number > 0, got inf"),
         ({"norm": "nuclear"}, ValueError, r"unknown norm 'nuclear'; allowed: euclidean"),
         ({"norm": 3}, TypeError, "norm"),
         ({"unconstrained": "yes"}, TypeError, "unconstrained"),

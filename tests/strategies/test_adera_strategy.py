@@ -234,6 +234,9 @@ def test_trace_path_is_validated():
     for bad in ("", 3):
         with pytest.raises(ValueError, match="trace_path"):
             AdERAStrategy(trace_path=bad)
+    for name in ("calibrate", "shadow"):  # any non-empty string was read as true
+        with pytest.raises(ValueError, match=f"{name} must be true or false, got 'no'"):
+            AdERAStrategy(**{name: "no"})
 
 
 def test_trace_from_records_needs_a_step():
