@@ -14,11 +14,14 @@ import torch
 
 from ada_modules.errors import InputError
 
-__all__ = ["Impl", "interpreter_enabled", "resolve_impl", "triton_available"]
+__all__ = ["FLOAT_DTYPES", "Impl", "interpreter_enabled", "resolve_impl", "triton_available"]
 
 Impl = Literal["auto", "triton", "torch"]
 """How a kernel function runs: ``"auto"`` (Triton for CUDA tensors, torch otherwise), ``"triton"``
 or ``"torch"`` (the reference)."""
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The floating dtypes the kernels take (float64 tensors go to dense torch paths, or are refused)."""
 
 _TRUE_VALUES = frozenset({"1", "true", "on", "yes"})
 

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from ada_modules.errors import InputError
-from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
+from ada_modules.kernels._dispatch import FLOAT_DTYPES, Impl, resolve_impl, triton_available
 from ada_modules.kernels.kv_quant import (
     SUPPORTED_BITS,
     _ceil_div,
@@ -83,7 +83,6 @@ __all__ = [
     "step_from_exponent",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 STEP_RESOLUTION = 8
 """Step exponents count eighth-octaves: ``s = 2**(e / STEP_RESOLUTION)``."""
@@ -337,8 +336,8 @@ def _check_decode_args(
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
         raise InputError(f"query must have shape (batch, heads, head_dim), got {shape}")
-    if query.dtype not in _FLOAT_DTYPES:
-        raise InputError(f"query must have dtype in {_FLOAT_DTYPES}, got {query.dtype}")
+    if query.dtype not in FLOAT_DTYPES:
+        raise InputError(f"query must have dtype in {FLOAT_DTYPES}, got {query.dtype}")
     batch, heads, head_dim = query.shape
     if (keys is None) != (values is None):
         raise InputError("keys and values must be given together (or both be None)")

@@ -52,7 +52,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from ada_modules.errors import InputError
-from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
+from ada_modules.kernels._dispatch import FLOAT_DTYPES, Impl, resolve_impl, triton_available
 
 __all__ = [
     "SUPPORTED_BITS",
@@ -75,7 +75,6 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 """Bit widths the quantizer, the packing and the kernels support."""
 
 _PLANES: dict[int, tuple[int, ...]] = {2: (2,), 3: (2, 1), 4: (4,), 8: (8,)}
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 Kind = Literal["key", "value"]
 
 
@@ -297,8 +296,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
 def _check_states(x: torch.Tensor, bits: int, group_size: int, kind: Kind) -> None:
     if not isinstance(x, torch.Tensor):
         raise InputError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise InputError(f"x must have dtype in {_FLOAT_DTYPES}, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise InputError(f"x must have dtype in {FLOAT_DTYPES}, got {x.dtype}")
     if x.dim() < 2:
         raise InputError(f"x must have shape (..., tokens, head_dim), got {tuple(x.shape)}")
     _check_bits(bits)
@@ -992,8 +991,8 @@ def _check_decode_args(
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
         raise InputError(f"query must have shape (batch, heads, head_dim), got {shape}")
-    if query.dtype not in _FLOAT_DTYPES:
-        raise InputError(f"query must have dtype in {_FLOAT_DTYPES}, got {query.dtype}")
+    if query.dtype not in FLOAT_DTYPES:
+        raise InputError(f"query must have dtype in {FLOAT_DTYPES}, got {query.dtype}")
     batch, heads, head_dim = query.shape
     if (residual_keys is None) != (residual_values is None):
         raise InputError("residual_keys and residual_values must be given together")

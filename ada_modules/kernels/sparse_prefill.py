@@ -48,7 +48,7 @@ import math
 import torch
 
 from ada_modules.errors import InputError
-from ada_modules.kernels._dispatch import Impl, resolve_impl, triton_available
+from ada_modules.kernels._dispatch import FLOAT_DTYPES, Impl, resolve_impl, triton_available
 
 __all__ = [
     "block_mask_to_indices",
@@ -59,7 +59,6 @@ __all__ = [
     "sparse_prefill_attention_reference",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _REFERENCE_CHUNK_ELEMENTS = 1 << 24
 """Score elements (``batch * q_heads * queries * keys``) the reference holds at once: 64 MiB of
@@ -139,8 +138,8 @@ def _check_args(
             raise InputError(
                 f"{name} must be a 4-d tensor (batch, heads, length, head_dim), got {_describe(t)}"
             )
-        if t.dtype not in _FLOAT_DTYPES:
-            raise InputError(f"{name} must have dtype in {_FLOAT_DTYPES}, got {t.dtype}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise InputError(f"{name} must have dtype in {FLOAT_DTYPES}, got {t.dtype}")
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise InputError(
             f"query, key and value must share a dtype, got {query.dtype}, {key.dtype} and "

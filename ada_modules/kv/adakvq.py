@@ -82,6 +82,7 @@ from typing import Any, Literal
 from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from ada_modules.checks import is_int, is_real
 from ada_modules.errors import InputError
 from ada_modules.kernels._dispatch import Impl
 from ada_modules.kernels.kv_quant import SUPPORTED_BITS
@@ -452,7 +453,7 @@ def _pick_dynamic_layers(dynamic_layers: float | list[int], allocation: BitAlloc
         raise InputError(
             f"dynamic_layers must be a fraction or a list of layers, got {dynamic_layers!r}"
         )
-    if isinstance(dynamic_layers, int | float):
+    if is_real(dynamic_layers):
         if not 0 <= dynamic_layers <= 1:
             raise InputError(
                 f"dynamic_layers as a fraction must be in [0, 1], got {dynamic_layers!r}"
@@ -463,8 +464,8 @@ def _pick_dynamic_layers(dynamic_layers: float | list[int], allocation: BitAlloc
         else:
             order = list(range(n - 1, -1, -1))
         return sorted(order[:count])
-    indices = sorted(set(dynamic_layers))
+    indices = sorted({int(i) if is_int(i) else i for i in dynamic_layers})
     for i in indices:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+        if not is_int(i) or not 0 <= i < n:
             raise InputError(f"dynamic_layers must hold layer indices in [0, {n}), got {i!r}")
     return indices

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ada_modules.checks import is_finite_real, is_int
 from ada_modules.errors import InputError
 from ada_modules.kernels.adkv_decode import (
     CENTRE_FRACTION_BITS,
@@ -169,8 +170,13 @@ class ADKVParams:
     ) -> "ADKVParams":
         """Shared parameters with an explicit multiplier table (eighth-octaves per magnitude)."""
         bits = _check_bits(bits)
-        if not 0 < alpha <= 1:
+        if not (is_finite_real(alpha) and 0 < alpha <= 1):
             raise InputError(f"alpha must lie in (0, 1], got {alpha!r}")
+        low, high = -STEP_RESOLUTION * MAX_SEGMENT_OCTAVES, 127  # the table is stored as int8
+        if isinstance(multipliers, str) or not all(is_int(m) for m in multipliers):
+            raise InputError(f"multipliers must be a list of integers, got {multipliers!r}")
+        if not all(low <= m <= high for m in multipliers):
+            raise InputError(f"multipliers must lie in [{low}, {high}], got {multipliers!r}")
         gain = OPTIMAL_GAUSSIAN_STEP[bits] if init_gain is None else init_gain
         return cls(
             bits=bits,
@@ -199,16 +205,23 @@ class ADKVParams:
             init_gain: First step relative to the first block's spread.
         """
         bits = _check_bits(bits)
-        if not 0 < beta <= 1:
+        if not (is_finite_real(beta) and 0 < beta <= 1):
             raise InputError(f"beta must lie in (0, 1], got {beta!r}")
         if kappa is None:
             kappa = 2.0 ** -_mean_log2_level(bits)
-        if not kappa > 0:
-            raise InputError(f"kappa must be > 0, got {kappa!r}")
+        if not (is_finite_real(kappa) and kappa > 0):
+            raise InputError(f"kappa must be a finite number > 0, got {kappa!r}")
         table = STEP_RESOLUTION * beta * (kappa * _levels(bits)).log2()
         rounded = table.round().to(torch.int64)
         rounded[0] = min(int(rounded[0]), 0)
         rounded[-1] = max(int(rounded[-1]), 0)
+        low, high = -STEP_RESOLUTION * MAX_SEGMENT_OCTAVES, 127
+        if not bool(((low <= rounded) & (rounded <= high)).all()):
+            raise InputError(
+                f"kappa={kappa!r} with beta={beta!r} gives step multipliers {rounded.tolist()} "
+                f"outside [{low}, {high}] eighth-octaves: use a kappa nearer the default "
+                f"{2.0 ** -_mean_log2_level(bits):.3g}"
+            )
         return cls.jayant(bits, rounded.tolist(), alpha=alpha, init_gain=init_gain)
 
     @classmethod

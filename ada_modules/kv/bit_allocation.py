@@ -219,7 +219,8 @@ def solve_allocation(
     if method != "dp":
         raise InputError(f"method must be 'dp', 'greedy' or 'brute_force', got {method!r}")
     units, scale = _integer_costs(costs)
-    cap = math.floor(capacity * scale + 1e-9)
+    # no choice costs more than every slot at its dearest: a larger budget changes nothing
+    cap = min(math.floor(capacity * scale + 1e-9), len(distortion) * max(units))
     # best[c] = (distortion, choices) over the slots so far with total cost units exactly c.
     inf = math.inf
     table: list[float] = [0.0] + [inf] * cap

@@ -34,7 +34,13 @@ from ada_modules.kernels._dispatch import Impl
 from ada_modules.kernels.kv_quant import SUPPORTED_BITS
 from ada_modules.kv.quantized_layer import QuantizedKVLayer, check_bits, check_group_size
 
-__all__ = ["KIVICache", "bits_argument", "full_attention_layers", "per_layer_bits"]
+__all__ = [
+    "KIVICache",
+    "bits_argument",
+    "check_layer_index",
+    "full_attention_layers",
+    "per_layer_bits",
+]
 
 
 def bits_argument(name: str, bits: object) -> int | list[int]:
@@ -100,6 +106,16 @@ def full_attention_layers(
             f"{cache_name} supports only full-attention layers, the config has {unsupported}"
         )
     return config, len(layer_types)
+
+
+def check_layer_index(cache: Cache, layer_idx: int) -> None:
+    """Name a ``layer_idx`` past the layers ``cache`` was built with (transformers raised an
+    ``IndexError`` from inside ``generate``)."""
+    if not 0 <= layer_idx < len(cache.layers):
+        raise InputError(
+            f"{type(cache).__name__} was built with {len(cache.layers)} layers and the model "
+            f"updated layer {layer_idx}: build it from the model's config (or with its num_layers)"
+        )
 
 
 def _head_dim(config: PreTrainedConfig) -> int | None:
@@ -207,6 +223,13 @@ class KIVICache(Cache):
             for k, v in zip(kb, vb, strict=True)
         ]
         super().__init__(layers=layers)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Cache.update``, naming a layer the cache was not built with."""
+        check_layer_index(self, layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def nbytes(self) -> int:
         """Exact bytes held by all layers: codes + scales + zero points + residual windows."""

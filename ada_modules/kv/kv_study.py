@@ -32,6 +32,7 @@ from numbers import Real
 import torch
 
 from ada_modules.errors import InputError
+from ada_modules.kernels._dispatch import FLOAT_DTYPES
 from ada_modules.kernels.kv_quant import (
     SUPPORTED_BITS,
     dequantize,
@@ -49,8 +50,6 @@ __all__ = [
     "pre_rope_per_channel_keys",
     "static_per_channel",
 ]
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -98,8 +97,8 @@ class QuantizedStates:
 def _check_states(name: str, x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise InputError(f"{name} must have dtype in {_FLOAT_DTYPES}, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise InputError(f"{name} must have dtype in {FLOAT_DTYPES}, got {x.dtype}")
     if x.dim() != 4 or x.numel() == 0:
         raise InputError(
             f"{name} must have a non-empty shape (batch, heads, tokens, head_dim), got "

@@ -40,7 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ada_modules.attention.dense_fallback import dense_attention_forward, eager_only_features
 from ada_modules.errors import InputError
-from ada_modules.kernels._dispatch import Impl
+from ada_modules.kernels._dispatch import FLOAT_DTYPES, Impl
 from ada_modules.kernels.adkv_decode import ADKVTensor, adkv_decode_attention, adkv_dequantize
 from ada_modules.kernels.kv_quant import (
     SUPPORTED_BITS,
@@ -114,6 +114,8 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     is_compileable = False
     is_croppable = False
+    state_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    """The dtypes of the states the layer stores (checked before anything is stored)."""
     records_decode_lse = False
     """Whether :func:`quantized_kv_attention` passes each decode step's per-segment log-sum-exps
     to :meth:`observe_decode_lse` (set ``True`` in a subclass that uses them)."""
@@ -261,13 +263,9 @@ class QuantizedKVLayer(CacheLayerMixin):
                 f"key_states and value_states must have one shape, got {tuple(key_states.shape)} "
                 f"and {tuple(value_states.shape)}"
             )
+        self._check_states(key_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.cumulative_length and key_states.shape[0] != self.keys.shape[0]:
-            raise InputError(
-                f"the cache holds batch size {self.keys.shape[0]}, got states of batch size "
-                f"{key_states.shape[0]}"
-            )
         segments = list(self.segments)  # the history before this update, as attention sees it
         window_keys = torch.cat([self.keys, key_states], dim=-2)
         window_values = torch.cat([self.values, value_states], dim=-2)
@@ -284,6 +282,32 @@ class QuantizedKVLayer(CacheLayerMixin):
             window_values = window_values[..., n_flush:, :].clone()
         self.keys, self.values = window_keys, window_values
         return keys_out, values_out
+
+    def _check_states(self, states: torch.Tensor) -> None:
+        """Refuse, before anything is stored, states the layer cannot take or that do not match
+        the ones it holds (dtype, batch size, heads, head dim)."""
+        name = type(self).__name__
+        if states.dtype not in self.state_dtypes:
+            allowed = ", ".join(str(d) for d in self.state_dtypes)
+            raise InputError(
+                f"{name} stores states of dtype {allowed}, got {states.dtype} (use a "
+                "DynamicCache for this model, or cast it)"
+            )
+        if not self.cumulative_length:
+            return
+        held = self.keys
+        if states.dtype != held.dtype:
+            raise InputError(f"{name} holds {held.dtype} states, got {states.dtype}")
+        if states.shape[0] != held.shape[0]:
+            raise InputError(
+                f"the cache holds batch size {held.shape[0]}, got states of batch size "
+                f"{states.shape[0]}"
+            )
+        if (states.shape[1], states.shape[-1]) != (held.shape[1], held.shape[-1]):
+            raise InputError(
+                f"{name} holds {held.shape[1]} kv heads of dim {held.shape[-1]}, got states of "
+                f"shape {tuple(states.shape)}"
+            )
 
     def _prepare_flush(
         self, keys: torch.Tensor, values: torch.Tensor
@@ -562,8 +586,8 @@ def quantized_kv_attention(
     sets ``records_decode_lse``, hands the per-segment log-sum-exps to its
     ``observe_decode_lse``; for an :class:`~ada_modules.kv.ADKVLayer` it calls the fused ADKV
     decode attention (:func:`~ada_modules.kernels.adkv_decode.adkv_decode_attention`) on the
-    delta codes instead. Everything else (prefill, caches of other types, dropout, and the
-    logit softcapping and attention sinks the packed kernels do not implement) goes to dense
+    delta codes instead. Everything else (prefill, caches of other types, dropout, float64, and
+    the logit softcapping and attention sinks the packed kernels do not implement) goes to dense
     attention (:func:`~ada_modules.attention.dense_fallback.dense_attention_forward`: SDPA, or
     the model's eager attention for softcapping and sinks).
 
@@ -587,6 +611,7 @@ def quantized_kv_attention(
         and isinstance(key, LazyDequantizedStates)
         and isinstance(value, LazyDequantizedStates)
         and dropout == 0.0
+        and query.dtype in FLOAT_DTYPES
         and not eager_only_features(kwargs)
     ):
         key_mask = _key_mask(attention_mask, key.shape[-2])

@@ -17,7 +17,9 @@ from ada_modules.kv import (
     AADProfile,
     AdaKVQCache,
     AdaKVQLayer,
+    ADKVCache,
     BitAllocation,
+    KIVICache,
     allocate_bits,
     block_bits_per_element,
 )
@@ -539,3 +541,34 @@ def test_bits_and_sibling_arguments_are_checked_up_front(kwargs, match):
 
     with pytest.raises(InputError, match=match):
         AdaKVQCache(CONFIG, value_group_size=16, dynamic_layers=[], **kwargs)
+
+
+def test_numpy_numbers_pick_the_dynamic_layers():
+    """np.float32(0.5) raised "not iterable"; [np.int64(1)] was refused as not a layer index."""
+    import numpy as np
+
+    allocation = BitAllocation.uniform(2, 4, group_size=16)
+    as_numpy = [np.float32(0.5), [np.int64(1)]]
+    as_python = [0.5, [1]]
+    for numpy_value, python_value in zip(as_numpy, as_python, strict=True):
+        picked = AdaKVQCache(CONFIG, allocation, dynamic_layers=numpy_value, value_group_size=16)
+        expected = AdaKVQCache(CONFIG, allocation, dynamic_layers=python_value, value_group_size=16)
+        assert picked.dynamic_layers == expected.dynamic_layers == [1]
+
+
+def test_a_budget_past_the_widest_bits_gives_the_widest_bits_at_once():
+    """The DP table had budget-many entries: 1e9 raised MemoryError, 1e6 took seconds."""
+    allocation = allocate_bits([0.1, 0.2], budget=1e9, group_size=16)
+    assert allocation.key_bits == allocation.value_bits == [4, 4]
+
+
+@pytest.mark.parametrize("cache_class", [KIVICache, ADKVCache])
+def test_layers_the_cache_was_not_built_with_are_named(cache_class):
+    kwargs = {"value_group_size": 16} if cache_class is KIVICache else {}
+    with pytest.raises(ValueError, match="num_layers=5 disagrees with the config's 2 layers"):
+        cache_class(CONFIG, num_layers=5, **kwargs)
+    model = tiny_model(ARCHS[1])
+    ids, mask = left_padded_prompts(1, 8, 0)
+    one_layer = cache_class(None, num_layers=1, **kwargs)
+    with pytest.raises(ValueError, match=r"built with 1 layers and the model updated layer 1"):
+        model(ids, attention_mask=mask, cache=one_layer)

@@ -204,3 +204,19 @@ def test_params_round_trip_through_a_file(tmp_path) -> None:
     assert loaded.bits == 4
     assert torch.equal(loaded.multipliers, params.multipliers)
     assert torch.equal(loaded.alpha_code, params.alpha_code)
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: ADKVParams.jayant(2, [300, -1]), r"multipliers must lie in \[-128, 127\]"),
+        (lambda: ADKVParams.jayant(2, [1.5, -1]), "multipliers must be a list of integers"),
+        (lambda: ADKVParams.ema(2, kappa=float("inf")), "kappa must be a finite number > 0"),
+        (lambda: ADKVParams.ema(2, kappa=1e-30), r"kappa=1e-30 .* outside \[-128, 127\]"),
+        (lambda: ADKVParams.ema(2, beta=float("nan")), r"beta must lie in \(0, 1\]"),
+    ],
+)
+def test_step_rules_that_do_not_fit_the_int8_table_are_named(build, match) -> None:
+    """They raised torch's "value cannot be converted to type int8 without overflow"."""
+    with pytest.raises(InputError, match=match):
+        build()

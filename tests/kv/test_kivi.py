@@ -21,6 +21,7 @@ from ada_modules.kv import (
     LazyDequantizedStates,
     QuantizedKVLayer,
 )
+from ada_modules.kv.adakvq_layer import AdaKVQLayer
 from ada_modules.models import CausalLMModule
 
 # ----------------------------------------------------------------------------------------------
@@ -418,6 +419,37 @@ def test_batch_size_mismatch_is_an_error():
     layer.update(torch.randn(2, 1, 4, 16), torch.randn(2, 1, 4, 16))
     with pytest.raises(ValueError, match="batch size 2, got .* batch size 3"):
         layer.update(torch.randn(3, 1, 1, 16), torch.randn(3, 1, 1, 16))
+
+
+@pytest.mark.parametrize("layer_class", [QuantizedKVLayer, AdaKVQLayer])
+def test_states_the_layer_cannot_take_are_refused_before_anything_is_stored(layer_class):
+    """float64 states were taken until the first flush, which failed half-way: the layer then
+    reported 20 tokens and held none (and AdaKVQ had updated its demand and credit)."""
+    layer = layer_class(key_group_size=16, value_group_size=16, residual_length=16)
+    with pytest.raises(
+        ValueError, match=r"stores states of dtype torch.float32, .* got torch.float64"
+    ):
+        layer.update(*(torch.randn(1, 2, 20, 16, dtype=torch.float64),) * 2)
+    assert layer.get_seq_length() == 0 and layer.block_bits == []
+    layer.update(*(torch.randn(1, 2, 20, 16),) * 2)
+    assert layer.get_seq_length() == 20 and len(layer.block_bits) == 1
+    for states, match in [
+        (
+            torch.randn(1, 2, 1, 16, dtype=torch.float16),
+            "holds torch.float32 states, got torch.float16",
+        ),
+        (
+            torch.randn(1, 3, 1, 16),
+            r"holds 2 kv heads of dim 16, got states of shape \(1, 3, 1, 16\)",
+        ),
+        (
+            torch.randn(1, 2, 1, 32),
+            r"holds 2 kv heads of dim 16, got states of shape \(1, 2, 1, 32\)",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            layer.update(states, states)
+    assert layer.get_seq_length() == 20
 
 
 @pytest.mark.parametrize(
