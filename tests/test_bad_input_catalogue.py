@@ -232,10 +232,14 @@ class _OneLayer(LightningModule):
 
 def _twice() -> None:
     model = torch.nn.Linear(2, 2)
-    chain = OptimizerChain(
+    OptimizerChain(
         [torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)]
     )
-    check_param_coverage(model, chain)
+
+
+def _missing() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    check_param_coverage(model, OptimizerChain([torch.optim.AdamW(model[0].parameters())]))
 
 
 TINY_LM = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 2}
@@ -472,9 +476,13 @@ CASES = [
     ),
     Case(
         "optimizers",
-        "`OptimizerChain([AdamW(model.parameters()), SGD(model.parameters())])`, checked by "
-        "`check_param_coverage(model, chain)`",
+        "`OptimizerChain([AdamW(model.parameters()), SGD(model.parameters())])`",
         _raises(lambda tmp: _twice()),
+    ),
+    Case(
+        "optimizers",
+        "`check_param_coverage(model, chain)` with a chain that misses a layer",
+        _raises(lambda tmp: _missing()),
     ),
     Case(
         "strategies",

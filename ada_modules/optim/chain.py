@@ -25,8 +25,15 @@ class OptimizerChain(Optimizer):
     ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict``/``set_optimizer_state_dict``
     (Lightning's ``ModelParallelStrategy`` checkpoints, FSDP2) handle the chain like any optimizer.
 
+    The closure, if any, is evaluated once and every child steps on the gradients it left, so a
+    child that re-evaluates the loss itself (``torch.optim.LBFGS``) is refused.
+
     Args:
         optimizers: Optimizers whose parameters do not overlap.
+
+    Raises:
+        InputError: A child that is not an ``Optimizer`` or is an ``LBFGS``, or a parameter held
+            by two children.
 
     Examples:
         >>> import torch
@@ -43,6 +50,21 @@ class OptimizerChain(Optimizer):
     """
 
     def __init__(self, optimizers: list[Optimizer]) -> None:
+        for index, opt in enumerate(optimizers):
+            if not isinstance(opt, Optimizer) or isinstance(opt, torch.optim.LBFGS):
+                raise InputError(
+                    f"optimizers[{index}] must be a torch.optim.Optimizer that steps without a "
+                    f"closure (not LBFGS), got {type(opt).__name__}"
+                )
+        owner: dict[int, int] = {}
+        for index, opt in enumerate(optimizers):
+            for p in (p for group in opt.param_groups for p in group["params"]):
+                if owner.setdefault(id(p), index) != index:
+                    raise InputError(
+                        f"optimizers[{index}] holds a parameter of shape {tuple(p.shape)} that "
+                        f"optimizers[{owner[id(p)]}] holds too: the optimizers of a chain must "
+                        "hold disjoint parameters (it would step twice)"
+                    )
         params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
         super().__init__(params, {})
         self.optimizers = optimizers

@@ -203,10 +203,10 @@ def test_coverage_names_a_parameter_held_by_two_chained_optimizers() -> None:
     hidden = [p for g in groups if g["role"] == "hidden" for p in g["params"]]
     _, outside = split_param_groups(groups, hidden)
     rest = [p for g in outside for p in g["params"]]
-    with pytest.warns(UserWarning, match="duplicate"):  # the chain's own group holds both
-        chain = OptimizerChain(
-            [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW([*rest, hidden[0]])]
-        )
+    with pytest.raises(InputError, match=r"optimizers\[1\] holds a parameter of shape"):
+        OptimizerChain([torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW([*rest, hidden[0]])])
+    chain = OptimizerChain([torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest)])
+    chain.optimizers[1].param_groups[0]["params"].append(hidden[0])  # edited after the checks
     with pytest.raises(
         InputError, match=r"hold 1 parameter more than once: 'block.self_attn.in_proj_weight'$"
     ):
@@ -255,3 +255,13 @@ def test_weight_decay_groups_keep_what_no_weight_decay_names():
     assert all(id(kept[name]) not in decayed for name in names)
     assert {id(p) for p in no_decay["params"]} >= {id(kept[name]) for name in names}
     assert decayed  # the attention and MLP matrices still are
+
+
+def test_a_chain_refuses_children_it_cannot_step():
+    model = nn.Linear(2, 2)
+    with pytest.raises(InputError, match=r"optimizers\[1\] holds a parameter of shape \(2, 2\)"):
+        OptimizerChain([torch.optim.AdamW(model.parameters()), torch.optim.SGD([model.weight])])
+    with pytest.raises(InputError, match=r"optimizers\[0\] must be .* \(not LBFGS\), got LBFGS"):
+        OptimizerChain([torch.optim.LBFGS(model.parameters())])  # it needs its own closure
+    with pytest.raises(InputError, match=r"optimizers\[0\] must be .*, got Linear"):
+        OptimizerChain([model])
