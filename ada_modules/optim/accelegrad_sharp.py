@@ -402,6 +402,8 @@ def _validate(group: dict[str, Any]) -> None:
         raise InputError(f"norm_kwargs must be a dict or None, got {norm_kwargs!r}")
     if norm_kwargs and not isinstance(norm, str):
         raise InputError(f"norm_kwargs {norm_kwargs!r} needs a norm name, got norm={norm!r}")
+    if group["foreach"] is not None and not isinstance(group["foreach"], bool):
+        raise InputError(f"foreach must be None, true or false, got {group['foreach']!r}")
 
 
 # Elementwise kernels: one torch._foreach_* call per list, or a loop of the same per-tensor ops.

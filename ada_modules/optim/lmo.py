@@ -502,6 +502,10 @@ _NORMS: dict[str, type[Norm]] = {
 NORM_NAMES: tuple[str, ...] = tuple(_NORMS)
 """Names accepted by :func:`get_norm`."""
 
+# A Norm instance in a param group goes into the optimizer's state_dict: let torch.load's
+# weights_only unpickler (Lightning's resume) rebuild it (its fields are numbers and a dtype).
+torch.serialization.add_safe_globals(list(_NORMS.values()))
+
 
 def get_norm(name: str, **kwargs: Any) -> Norm:
     """Build the norm registered under ``name`` with its options.

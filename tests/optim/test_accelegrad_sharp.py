@@ -220,6 +220,7 @@ def test_nonfinite_skip_leaves_state_and_params_untouched() -> None:
         ({"norm": "nuclear"}, "norm 'nuclear'"),
         ({"output": "best"}, "output"),
         ({"nonfinite": "ignore"}, "nonfinite"),
+        ({"foreach": "yes"}, "foreach must be None, true or false, got 'yes'"),
         ({"radius": 0.0}, "radius"),
         ({"proj_radius": -1.0}, "proj_radius"),
         ({"g0": 0.0}, "g0"),

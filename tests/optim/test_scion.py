@@ -240,3 +240,17 @@ def test_init_puts_matrices_on_the_sphere_and_keeps_vectors(norm):
     assert torch.equal(layer.weight, first)
     opt.init(torch.Generator().manual_seed(1))
     assert not torch.equal(layer.weight, first)
+
+
+def test_a_norm_instance_in_the_state_dict_loads_with_weights_only(tmp_path) -> None:
+    """Lightning resumes with torch.load(weights_only=True): a Norm object refused to unpickle."""
+    from ada_modules.optim.lmo import Spectral
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    opt = Scion([w], lr=0.1, norm=Spectral(steps=7))
+    w.grad = torch.randn(4, 4)
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", weights_only=True)
+    norm = loaded["param_groups"][0]["norm"]
+    assert isinstance(norm, Spectral) and norm.steps == 7
