@@ -56,6 +56,16 @@ def _channel_kwargs(router_kwargs: dict[str, Any], channels: int, dim: int) -> d
     return router_kwargs
 
 
+def _decoder(model: nn.Module) -> nn.Module | None:
+    """The module holding a transformers model's decoder ``.layers`` (``None``: there is none)."""
+    decoder = getattr(model, "model", None)
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) and hasattr(
+        model, "get_decoder"
+    ):
+        decoder = model.get_decoder()  # LLaVA-style: model.model holds the language model
+    return decoder if isinstance(getattr(decoder, "layers", None), nn.ModuleList) else None
+
+
 def wrap_hf_decoder(model: nn.Module, **router_kwargs: Any) -> nn.Module:
     """Route the decoder layers of a transformers causal LM in place; returns ``model``.
 
@@ -80,17 +90,13 @@ def wrap_hf_decoder(model: nn.Module, **router_kwargs: Any) -> nn.Module:
         >>> model.model.connectivity.num_layers
         3
     """
-    decoder = getattr(model, "model", None)
-    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList) and hasattr(
-        model, "get_decoder"
-    ):
-        decoder = model.get_decoder()  # LLaVA-style: model.model holds the language model
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    decoder = _decoder(model)
+    if decoder is None:
         raise InputError(
             f"{type(model).__name__} has no decoder with a .layers ModuleList (neither "
             "model.model.layers nor model.get_decoder().layers)"
         )
+    layers = decoder.layers
     hidden = int(model.config.get_text_config().hidden_size)
     router = wrap_module_list(layers, decoder, **_channel_kwargs(router_kwargs, hidden, -1))
     why = f"its decoder has one layer and {_SINGLE_SOURCE}"
@@ -372,6 +378,12 @@ class ConnectivityWrapper:
             return wrap_diffusers_dit(model, **self.router_kwargs)
         if hasattr(model, "blocks") or _timm_stages(model) is not None:
             return wrap_timm(model, **self.router_kwargs)
+        if _decoder(model) is None:
+            raise InputError(
+                "ConnectivityWrapper routes a transformers decoder (model.model.layers), a timm "
+                "ViT/ResNet/ConvNeXt/Swin or a diffusers DiT (transformer_blocks); "
+                f"{type(model).__name__} is none of them"
+            )
         return wrap_hf_decoder(model, **self.router_kwargs)
 
 

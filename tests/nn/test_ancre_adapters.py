@@ -247,6 +247,8 @@ def test_adapters_reject_models_they_do_not_know():
         ConnectivityWrapper(mode="dense")
     with pytest.raises(ValueError, match="temperature"):
         ConnectivityWrapper(temperature=0.0)(tiny_llama(2))
+    with pytest.raises(InputError, match=r"routes a transformers decoder .*; Linear is none"):
+        ConnectivityWrapper(mode="source")(nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("build", ["resnet", "convnext", "vit", "llama"])
