@@ -374,9 +374,16 @@ def check_stats_fit(
     linear = set(linear_layers(state_dict))
     for name, layer in stats.items():
         if name not in linear:
+            absent = key(name, "weight") not in state_dict
+            hint = (
+                " (a state dict from save_pretrained stores a tied output head once, under the "
+                "embedding's key: pass the model's state_dict())"
+                if absent
+                else ""
+            )
             raise InputError(
                 f"{who} statistics name layer {name!r}, which is not a linear layer of the state "
-                f"dict (no 2-D {key(name, 'weight')!r})"
+                f"dict (no 2-D {key(name, 'weight')!r}){hint}"
             )
         inputs = state_dict[key(name, "weight")].shape[1]
         bias = key(name, "bias") in state_dict
