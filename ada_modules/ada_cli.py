@@ -26,9 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from ada_modules.callbacks import BudgetProgressBar, TrainingCurves, fit_summary
 from ada_modules.errors import InputError
@@ -39,6 +42,22 @@ __all__ = ["AdaCLI", "InstantiationError"]
 _OPTIMIZER_ARGS = ("optimizer", "aux_optimizer")
 _SCHEDULER_ARGS = ("lr_scheduler",)
 _CACHE_ARGS = ("cache_factory",)
+
+
+_LIGHTNING_CKPT_NAMES = ("best", "last", "hpc", "registry")
+
+
+def _checkpoint_folders(trainer_config: Any) -> list[str]:
+    """The ``dirpath`` of each ``ModelCheckpoint`` in a trainer config, as strings."""
+    callbacks = getattr(trainer_config, "get", lambda key: None)("callbacks") or []
+    folders = []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        class_path = getattr(callback, "class_path", "") or ""
+        init_args = getattr(callback, "init_args", None)
+        dirpath = init_args.get("dirpath") if hasattr(init_args, "get") else None
+        if class_path.endswith("ModelCheckpoint") and dirpath:
+            folders.append(str(dirpath))
+    return folders
 
 
 class InstantiationError(Exception):
@@ -146,6 +165,7 @@ class AdaCLI(LightningCLI):
         """
         if not self.config.get("subcommand"):
             return
+        self._check_ckpt_path()
         before = self.config.clone()
         super()._parse_ckpt_path()
         subcommand = self.config.subcommand
@@ -155,6 +175,35 @@ class AdaCLI(LightningCLI):
                 if full in before:
                     self.config[full] = before[full]
                     break
+
+    def _check_ckpt_path(self) -> None:
+        """Resolve ``--ckpt_path last`` to its file now, so that its hyperparameters are read as a
+        file path's are (the model was built from the YAML, and a fit with other model arguments
+        then failed to load); name a checkpoint that is not there.
+
+        ``last`` is the newest ``last*.ckpt`` in the ``dirpath`` of the config's ``ModelCheckpoint``
+        callbacks, as Lightning picks it. Outside ``fit`` (which starts afresh without one), no
+        such file is an error rather than an evaluation of the untrained model.
+        """
+        subcommand = self.config.subcommand
+        config = self.config[subcommand]
+        ckpt_path = config.get("ckpt_path")
+        if not isinstance(ckpt_path, str | os.PathLike):
+            return
+        ckpt_path = str(ckpt_path)
+        if ckpt_path == "last":
+            folders = _checkpoint_folders(config.get("trainer"))
+            found = [p for folder in folders for p in Path(folder).glob("last*.ckpt")]
+            if found:
+                config["ckpt_path"] = str(max(found, key=lambda p: p.stat().st_mtime))
+            elif folders and subcommand != "fit":
+                raise InputError(
+                    f"ckpt_path: no last checkpoint in {', '.join(folders)} (run `ada fit` with "
+                    "this config first, or give a checkpoint's path)"
+                )
+        elif ckpt_path not in _LIGHTNING_CKPT_NAMES and "://" not in ckpt_path:
+            if not ckpt_path.startswith("registry") and not Path(ckpt_path).exists():
+                raise InputError(f"ckpt_path: checkpoint not found: {ckpt_path}")
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -175,6 +224,15 @@ class AdaCLI(LightningCLI):
             "sweep", sweep_parser, help=sweep_parser.description
         )
 
+    def _set_seed(self) -> None:
+        """Lightning's, with its "Seed set to N" line held back until the classes are built, so
+        that a bad value found while building them is the only line on stderr."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        seed = config.get("seed_everything")
+        if seed is False:
+            return
+        config["seed_everything"] = seed_everything(None if seed is True else seed, True, False)
+
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
@@ -182,6 +240,9 @@ class AdaCLI(LightningCLI):
             # Our components validate their arguments in __init__; a bad value is a user error.
             # jsonargparse wraps the component's own error: report the innermost one.
             raise InstantiationError("", _reason(_innermost(error))) from error
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.get("seed_everything") is not False:
+            rank_zero_info(f"Seed set to {config.get('seed_everything')}")
 
     def _factory_class_paths(self) -> dict[str, str]:
         model_config = self._get(self.config, "model", default=None)
@@ -208,7 +269,10 @@ class AdaCLI(LightningCLI):
             extra.append(BudgetProgressBar())
         if self.subcommand == "fit" and not any(isinstance(c, TrainingCurves) for c in given):
             extra.append(TrainingCurves())
-        return super().instantiate_trainer(**{"callbacks": given + extra, **kwargs})
+        try:
+            return super().instantiate_trainer(**{"callbacks": given + extra, **kwargs})
+        except MisconfigurationException as error:  # options the Trainer cannot use together
+            raise InstantiationError("trainer", str(error).splitlines()[0]) from error
 
     def _write_metrics(self) -> None:
         path = self.config[self.subcommand].get("metrics_file")

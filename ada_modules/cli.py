@@ -36,6 +36,7 @@ import importlib
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import ada_modules
 from ada_modules.errors import InputError
@@ -94,6 +95,9 @@ _DETAIL_MARKERS = (
 )
 
 
+_DOTTED_PATH = re.compile(r"Expected a path but \w[\w.]*\.\w+ either not accessible")
+
+
 def _one_line(error: BaseException) -> str:
     """Condense a (possibly nested, multi-line) jsonargparse error to one line naming the culprit.
 
@@ -107,14 +111,24 @@ def _one_line(error: BaseException) -> str:
     lines = [line for line in lines if line and line != "Expected a <class 'NoneType'>"]
     if not lines:
         return type(error).__name__
-    detail_index = next(
-        (i for i, line in enumerate(lines) if any(m in line for m in _DETAIL_MARKERS)), None
-    )
+    details = [i for i, line in enumerate(lines) if any(m in line for m in _DETAIL_MARKERS)]
+    # "Expected a path but VALUE ..." is jsonargparse trying the value as a file; when the value
+    # is not a dotted class path and a more specific reason follows, that reason is the cause
+    guessed_file = [
+        i
+        for i in details
+        if lines[i].startswith("Expected a path but") and not _DOTTED_PATH.match(lines[i])
+    ]
+    specific = [i for i in details if i not in guessed_file]
+    detail_index = (specific or details or [None])[0]
     if detail_index is None:
         return " ".join(lines) if len(lines) <= 2 else f"{lines[0]} {lines[-1]}"
     detail = lines[detail_index].split(". Got value: Namespace(")[0]
     detail = re.sub(r'^Parser key "[^"]+": ', "", detail)
     detail = detail.split("expects a function or a callable class: ")[-1]
+    given = next((line for line in lines[detail_index:] if line.startswith("Given value: ")), "")
+    if detail.startswith("Expected a <class") and given:
+        detail += f", got {given.removeprefix('Given value: ').split('. Got value:')[0]}"
     previous = lines[detail_index - 1] if detail_index else ""
     if previous.startswith("Problem with given class_path"):
         detail = f"{previous} {detail}"
@@ -158,6 +172,31 @@ def _yaml_error(error: BaseException, argv: Sequence[str]) -> str | None:
     return f"invalid YAML in {where}{position}: {reason}"
 
 
+def _check_config_files(argv: Sequence[str]) -> None:
+    """Name a ``-c`` file that is a folder, empty, or not a mapping of keys (jsonargparse says
+    only "Unexpected config"). Syntax errors are left to the parser (see :func:`_yaml_error`)."""
+    import yaml
+
+    files = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    files += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for name in files:
+        path = Path(name)
+        if path.is_dir():
+            _fail(f"config {name} is a folder, not a YAML file")
+        if not path.is_file():
+            continue  # a missing file (or an inline YAML string): the parser says which
+        try:
+            content = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError):
+            continue
+        if not isinstance(content, dict):
+            kind = "nothing" if content is None else f"a {type(content).__name__}"
+            _fail(
+                f"config {name}: expected a mapping of keys (trainer:, model:, data:, ...), "
+                f"got {kind}"
+            )
+
+
 def _fail(message: str) -> None:
     print(f"ada: error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -198,6 +237,7 @@ def main(args: Sequence[str] | None = None) -> None:
 
     from ada_modules.ada_cli import AdaCLI, InstantiationError
 
+    _check_config_files(argv)
     for package in _REGISTERED_PACKAGES:
         importlib.import_module(package)
     try:

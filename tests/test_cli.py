@@ -71,6 +71,18 @@ def test_print_config_resolves_defaults(capsys):
         ("--data.init_args.max_digits=abc", "data.max_digits: Expected a <class 'int'>"),
         ("--model.init_args.optimizer.class_path=torch.optim.Adamz", "model.optimizer: module"),
         ("--model.init_args.lr_scheduler.init_args.warmup_steps=x", "lr_scheduler.warmup_steps"),
+        # the cause, not jsonargparse's try at reading the value as a file path
+        (
+            "--model.init_args.optimizer.init_args.lr=abc",
+            "model.optimizer.lr: Expected a <class 'float'>, got abc",
+        ),
+        (
+            '--trainer.callbacks=[{"class_path": "EarlyStoping"}]',
+            "trainer.callbacks: Expected a dot import path string: EarlyStoping",
+        ),
+        # options the Trainer cannot use together (a MisconfigurationException traceback before)
+        ("--trainer.enable_checkpointing=false", "trainer: Trainer was configured with"),
+        ("--ckpt_path=/no/such/run.ckpt", "ckpt_path: checkpoint not found: /no/such/run.ckpt"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(override, expected, capsys):
@@ -86,6 +98,37 @@ def test_missing_config_file_names_the_path(tmp_path, capsys):
     code, _, err = _run_main(["fit", "-c", str(missing)], capsys)
     assert code == 2
     assert str(missing) in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [("- a\n- b\n", "got a list"), ("", "got nothing"), ("just text\n", "got a str")],
+)
+def test_a_config_that_is_not_a_mapping_is_named(tmp_path, capsys, content, expected):
+    config = tmp_path / "config.yaml"
+    config.write_text(content)
+    code, _, err = _run_main(["fit", "-c", str(config)], capsys)
+    assert code == 2
+    assert (
+        err
+        == f"ada: error: config {config}: expected a mapping of keys (trainer:, model:, data:, ...), {expected}\n"
+    )
+    code, _, err = _run_main(["fit", "-c", str(tmp_path)], capsys)
+    assert (code, err) == (2, f"ada: error: config {tmp_path} is a folder, not a YAML file\n")
+
+
+def test_an_error_found_while_building_is_the_only_line_on_stderr(tmp_path):
+    """Lightning's "Seed set to 0" came first: it is now printed once the classes are built."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ada_modules", "test", "-c", str(QUICKSTART), "--ckpt_path=last",
+         f"--trainer.callbacks=[{{'class_path': 'ModelCheckpoint', 'init_args': {{'dirpath': '{tmp_path}'}}}}]"],
+        capture_output=True, text=True, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"ada: error: ckpt_path: no last checkpoint in {tmp_path} (run `ada fit` with this config "
+        "first, or give a checkpoint's path)\n"
+    )
 
 
 def test_invalid_value_rejected_at_instantiation_is_one_line(capsys):
@@ -206,3 +249,12 @@ def test_model_arguments_given_with_a_checkpoint_file_win_over_its_hyperparamete
         used = yaml.safe_load((root / "config.yaml").read_text())["model"]["init_args"]
         assert used["eval_steps"] == steps  # the command line's, else the checkpoint's
         assert used["deformable"] is False and used["state_channels"] == 4  # the checkpoint's
+    # --ckpt_path last is read like the file it names (the model was built from the YAML: its
+    # deformable, 16-channel NCA did not fit the checkpoint's weights)
+    root = tmp_path / "last"
+    main(["test", *common, "--ckpt_path=last", f"--trainer.default_root_dir={root}",
+          '--trainer.callbacks=[{"class_path": "ModelCheckpoint", "init_args": {"dirpath": "'
+          + str(tmp_path / "fit") + '"}}]'])  # fmt: skip
+    used = yaml.safe_load((root / "config.yaml").read_text())
+    assert used["ckpt_path"] == str(checkpoint)
+    assert used["model"]["init_args"]["state_channels"] == 4
