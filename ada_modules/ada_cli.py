@@ -177,13 +177,13 @@ class AdaCLI(LightningCLI):
                     break
 
     def _check_ckpt_path(self) -> None:
-        """Resolve ``--ckpt_path last`` to its file now, so that its hyperparameters are read as a
-        file path's are (the model was built from the YAML, and a fit with other model arguments
-        then failed to load); name a checkpoint that is not there.
+        """Name a ``--ckpt_path`` that is not there, before anything is built.
 
-        ``last`` is the newest ``last*.ckpt`` in the ``dirpath`` of the config's ``ModelCheckpoint``
-        callbacks, as Lightning picks it. Outside ``fit`` (which starts afresh without one), no
-        such file is an error rather than an evaluation of the untrained model.
+        ``last`` stays Lightning's: the model is built from the config (unlike a file path, whose
+        saved hyperparameters win over config files, so that a test-time config such as a cache
+        applies); but outside ``fit`` (which starts afresh without one) a config whose
+        ``ModelCheckpoint`` folders hold no ``last*.ckpt`` is an error rather than an evaluation of
+        the untrained model.
         """
         subcommand = self.config.subcommand
         config = self.config[subcommand]
@@ -191,12 +191,9 @@ class AdaCLI(LightningCLI):
         if not isinstance(ckpt_path, str | os.PathLike):
             return
         ckpt_path = str(ckpt_path)
-        if ckpt_path == "last":
+        if ckpt_path == "last" and subcommand != "fit":
             folders = _checkpoint_folders(config.get("trainer"))
-            found = [p for folder in folders for p in Path(folder).glob("last*.ckpt")]
-            if found:
-                config["ckpt_path"] = str(max(found, key=lambda p: p.stat().st_mtime))
-            elif folders and subcommand != "fit":
+            if folders and not any(any(Path(f).glob("last*.ckpt")) for f in folders):
                 raise InputError(
                     f"ckpt_path: no last checkpoint in {', '.join(folders)} (run `ada fit` with "
                     "this config first, or give a checkpoint's path)"

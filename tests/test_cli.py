@@ -249,12 +249,3 @@ def test_model_arguments_given_with_a_checkpoint_file_win_over_its_hyperparamete
         used = yaml.safe_load((root / "config.yaml").read_text())["model"]["init_args"]
         assert used["eval_steps"] == steps  # the command line's, else the checkpoint's
         assert used["deformable"] is False and used["state_channels"] == 4  # the checkpoint's
-    # --ckpt_path last is read like the file it names (the model was built from the YAML: its
-    # deformable, 16-channel NCA did not fit the checkpoint's weights)
-    root = tmp_path / "last"
-    main(["test", *common, "--ckpt_path=last", f"--trainer.default_root_dir={root}",
-          '--trainer.callbacks=[{"class_path": "ModelCheckpoint", "init_args": {"dirpath": "'
-          + str(tmp_path / "fit") + '"}}]'])  # fmt: skip
-    used = yaml.safe_load((root / "config.yaml").read_text())
-    assert used["ckpt_path"] == str(checkpoint)
-    assert used["model"]["init_args"]["state_channels"] == 4
