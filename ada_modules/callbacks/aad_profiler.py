@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
+from ada_modules.callbacks.training_curves import log_dir_of
 from ada_modules.errors import InputError
 from ada_modules.kv.aad import AADAccumulator, AADProfile
 
@@ -180,7 +181,8 @@ class AADProfiler(Callback):
     def _folder(self, trainer: Trainer) -> Path:
         if self.dirpath is not None:
             return Path(self.dirpath)
-        return Path(trainer.log_dir or trainer.default_root_dir) / "aad"
+        # not trainer.log_dir: a collective call, which rank zero alone would wait on for ever
+        return Path(log_dir_of(trainer) or trainer.default_root_dir) / "aad"
 
     # -- Lightning hooks ---------------------------------------------------------------------
 
@@ -219,6 +221,13 @@ class AADProfiler(Callback):
 
     def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._on_epoch_end(trainer, pl_module, "test")
+
+    @property
+    def state_key(self) -> str:
+        # By what it writes and when, so that two profilers (say, one per loop) can share a Trainer
+        return self._generate_state_key(
+            dirpath=self.dirpath, filename=self.filename, loops=self.loops
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from ada_modules.checks import is_finite_real, is_int
 from ada_modules.errors import InputError
 
 __all__ = ["ADKVCalibration"]
@@ -59,8 +60,22 @@ class ADKVCalibration(Callback):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive int, got {value!r}")
+        # checked now rather than when the fit ends (the kv package imports transformers)
+        from ada_modules.kv.adkv import check_keyframe_period
+        from ada_modules.kv.quantized_layer import check_bits
+
+        widths = (
+            [bits] if is_int(bits) else list(bits) if isinstance(bits, list | tuple) else [bits]
+        )
+        if not widths:
+            raise InputError("bits must be a width or a non-empty list of widths, got []")
+        for width in widths:
+            check_bits("bits", width)
+        check_keyframe_period(keyframe_period)
+        if not (is_finite_real(lr) and lr > 0):
+            raise InputError(f"lr must be a finite number > 0, got {lr!r}")
         self.dirpath = Path(dirpath)
-        self.bits = [bits] if isinstance(bits, int) else list(bits)
+        self.bits = [int(width) for width in widths]
         self.num_batches = num_batches
         self.num_queries = num_queries
         self.max_steps = max_steps
@@ -92,7 +107,8 @@ class ADKVCalibration(Callback):
                 f"got {type(pl_module).__name__}"
             )
         captured = None
-        loader = trainer.datamodule.train_dataloader()
+        datamodule = trainer.datamodule
+        loader = trainer.train_dataloader if datamodule is None else datamodule.train_dataloader()
         was_training = model.training
         model.eval()
         try:

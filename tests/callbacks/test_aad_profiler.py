@@ -1,6 +1,7 @@
 """AADProfiler: profiles a real HF model in a Trainer, writes JSON + PNG, logs, keeps state."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +109,22 @@ def test_bad_arguments_and_models_without_attention_weights(cpu_trainer):
     profiler = AADProfiler()
     with pytest.raises(TypeError, match="transformers model"):
         profiler._model(torch.nn.Linear(2, 2))
+
+
+def test_two_profilers_share_a_trainer_and_the_folder_is_not_a_collective_call(
+    cpu_trainer, tmp_path, monkeypatch
+):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    validation = AADProfiler(dirpath=str(tmp_path / "v"), loops=["validation"])
+    test = AADProfiler(dirpath=str(tmp_path / "t"), loops=["test"])
+    assert validation.state_key != test.state_key  # Lightning refused two of one state key
+    logger = CSVLogger(tmp_path)
+    trainer = cpu_trainer(logger=logger, callbacks=[validation, test])
+
+    def collective(self):
+        raise AssertionError("trainer.log_dir is a broadcast: rank zero alone would hang")
+
+    monkeypatch.setattr(Trainer, "log_dir", property(collective))
+    assert AADProfiler()._folder(trainer) == Path(logger.log_dir) / "aad"

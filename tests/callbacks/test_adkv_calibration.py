@@ -14,7 +14,8 @@ from ada_modules.models import CausalLMModule
 
 
 @pytest.mark.slow
-def test_fit_end_writes_parameters_the_cache_reads(cpu_trainer, tmp_path, seed):
+@pytest.mark.parametrize("given", ["datamodule", "dataloaders"])  # the latter crashed at fit end
+def test_fit_end_writes_parameters_the_cache_reads(cpu_trainer, tmp_path, seed, given):
     module = CausalLMModule(
         hidden_size=32,
         num_layers=2,
@@ -28,7 +29,11 @@ def test_fit_end_writes_parameters_the_cache_reads(cpu_trainer, tmp_path, seed):
     data = RecallDataModule(num_pairs=6, num_train=32, num_val=8, num_test=8, batch_size=8)
     callback = ADKVCalibration(tmp_path / "adkv", bits=[2, 4], num_batches=2, max_steps=3)
     trainer = cpu_trainer(max_steps=2, callbacks=[callback], limit_val_batches=0)
-    trainer.fit(module, data)
+    if given == "datamodule":
+        trainer.fit(module, data)
+    else:
+        data.setup("fit")
+        trainer.fit(module, train_dataloaders=data.train_dataloader())
     report = json.loads((tmp_path / "adkv" / "calibration.json").read_text())
     assert {"val/rel_mse_b2", "val/rel_mse_uncalibrated_b4"} <= set(report)
     assert len(report["drift"]) == 2  # one entry per layer
@@ -45,3 +50,19 @@ def test_fit_end_writes_parameters_the_cache_reads(cpu_trainer, tmp_path, seed):
 def test_counts_must_be_positive(name, tmp_path):
     with pytest.raises(InputError, match=f"{name} must be a positive int, got 0"):
         ADKVCalibration(tmp_path, **{name: 0})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"bits": 0}, r"bits must be one of \(2, 3, 4, 8\)"),
+        ({"bits": [3, 17]}, r"bits must be one of .* got 17"),
+        ({"bits": []}, "bits must be a width or a non-empty list"),
+        ({"keyframe_period": 0}, "keyframe_period must be an int >= 1, got 0"),
+        ({"lr": -1.0}, "lr must be a finite number > 0, got -1.0"),
+    ],
+)
+def test_calibration_settings_are_checked_when_the_callback_is_built(kwargs, match, tmp_path):
+    """They were read only when the fit ended, after the whole training."""
+    with pytest.raises(InputError, match=match):
+        ADKVCalibration(tmp_path, **kwargs)
