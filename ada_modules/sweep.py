@@ -151,14 +151,14 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse import ArgumentError, ArgumentParser
 
 from ada_modules.errors import InputError
-from ada_modules.sweep_report import file_name, format_table, plot_metrics
+from ada_modules.sweep_report import file_name, format_runs_table, format_table, plot_metrics
 from ada_modules.sweep_spec import (
     _FIT_DIR,
     Metric,
@@ -646,8 +646,9 @@ def run_sweep(
 
 
 def _check_calls(spec: SweepSpec, runs: list[_Run]) -> None:
-    """Parse the first call of each variant in-process (``--print_config``, nothing runs), so
-    that a misspelled key or a bad value fails the spec before any run starts."""
+    """Parse every stage's call of each variant's first run in-process (``--print_config``,
+    nothing runs), so that a misspelled key or a bad value, in a later stage's overrides too,
+    fails the spec before any run starts."""
     from ada_modules.cli import main
 
     checked = set()
@@ -655,17 +656,19 @@ def _check_calls(spec: SweepSpec, runs: list[_Run]) -> None:
         if run.variant in checked:
             continue
         checked.add(run.variant)
-        stage, args = run.calls[0]
-        errors = io.StringIO()
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
-            try:
-                main([stage, *args, "--print_config"])
-            except SystemExit as exit_info:
-                if exit_info.code:
-                    message = errors.getvalue().strip().splitlines()[-1]
-                    message = message.removeprefix("ada: error: ")
-                    what = "the shared fit" if run.variant == _SHARED_FIT else repr(run.variant)
-                    raise SweepSpecError(f"{spec.path}: {what}: {message}") from None
+        for index, (stage, args) in enumerate(run.calls):
+            errors = io.StringIO()
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+                try:
+                    main([stage, *args, "--print_config"])
+                except SystemExit as exit_info:
+                    if exit_info.code:
+                        message = errors.getvalue().strip().splitlines()[-1]
+                        message = message.removeprefix("ada: error: ")
+                        what = "the shared fit" if run.variant == _SHARED_FIT else repr(run.variant)
+                        if index:  # a later stage's overrides
+                            what += f" ({stage})"
+                        raise SweepSpecError(f"{spec.path}: {what}: {message}") from None
 
 
 def _execute_all(
@@ -697,9 +700,16 @@ def _execute_all(
         fresh = run.record(status="failed", metrics={})
         deps_kept = not any(dep.key in rerun_fits for dep in run.depends_on)
         if earlier and earlier.same_run(fresh) and deps_kept:
-            results.set(earlier)
-            _progress(next(counter), total, label(run), "ok earlier, skipped")
-            return
+            # read its metrics again: the spec may now want one it did not log
+            merged, error = _read_metrics(run, spec.metrics, check=not run.is_fit)
+            if error and "was not logged" in error:
+                results.set(run.record(status="failed", metrics=merged, error=error))
+                _progress(next(counter), total, label(run), f"ran earlier, failed: {error}")
+                return
+            if not error:
+                results.set(replace(earlier, metrics=merged))
+                _progress(next(counter), total, label(run), "ok earlier, skipped")
+                return
         failed = [dep for dep in run.depends_on if results.slots[dep.key].status != "ok"]
         if failed:
             error = f"{failed[0].describe()} for seed {run.seed} failed; see {failed[0].run_dir}"
@@ -753,7 +763,10 @@ def _report(
     ran = {r.variant for r in records}
     order = [v.name for v in spec.variants if v.name in ran]  # `quick_variants` may skip some
     table = format_table(records, spec.metrics, order)
-    (out / "results.md").write_text(f"# {spec.name}\n\n{table}\n", encoding="utf-8")
+    runs = format_runs_table(records, spec.metrics)
+    (out / "results.md").write_text(
+        f"# {spec.name}\n\n{table}\n\n## Every run\n\n{runs}\n", encoding="utf-8"
+    )
     plots = plot_metrics(records, spec.metrics, out, order)
     print(table)
     failed = sum(r.status != "ok" for r in records)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Summary",
     "file_name",
+    "format_runs_table",
     "format_table",
     "metric_figure",
     "plot_metrics",
@@ -157,6 +158,35 @@ def format_table(
                 if summary.mean is not None and summary.mean == best[metric.name]
                 else text
             )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_runs_table(records: Sequence[RunRecord], metrics: Sequence[Metric]) -> str:
+    """A markdown table of every run: variant, seed, status and each metric's value (``–`` where
+    none was logged, ``not finite`` for NaN/inf), so that no seed hides in a mean.
+
+    Example::
+
+        >>> from ada_modules.sweep import Metric, RunRecord
+        >>> rec = lambda v, s, x: RunRecord(v, s, "ok", {"acc": x}, {}, [], [], None, "", "")
+        >>> print(format_runs_table([rec("a", 0, 1.0), rec("a", 1, None)], [Metric("acc")]))
+        | variant | seed | status | acc |
+        |---|---|---|---|
+        | a | 0 | ok | 1 |
+        | a | 1 | ok | not finite |
+    """
+    header = ["variant", "seed", "status", *(m.name for m in metrics)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for record in records:
+        cells = [record.variant, str(record.seed), record.status]
+        for metric in metrics:
+            if metric.name not in record.metrics:
+                cells.append("–")
+                continue
+            value = record.metrics[metric.name]
+            finite = value is not None and math.isfinite(value)
+            cells.append(_number(float(value)) if finite else "not finite")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

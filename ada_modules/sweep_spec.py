@@ -270,6 +270,14 @@ class SweepSpec:
                 raise fail(f"bad entry in 'metrics': {error}") from error
         if len({m.name for m in metrics}) != len(metrics):
             raise fail("'metrics' lists a metric twice")
+        charts: dict[str, str] = {}
+        for metric in metrics:  # one chart file per metric
+            other = charts.setdefault(file_name(metric.name), metric.name)
+            if other != metric.name:
+                raise fail(
+                    f"metrics {other!r} and {metric.name!r} would both be charted in "
+                    f"{file_name(metric.name)}.png; rename one"
+                )
         _check_fit_dirs(fits, common, quick, variants, fail)
 
         name = data.get("name") or (path.parent.name if path.stem == "repro" else path.stem)

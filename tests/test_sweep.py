@@ -513,6 +513,12 @@ EXPECTED_TABLE = "\n".join(
     ]
 )
 
+EXPECTED_RUNS = "\n".join(
+    ["| variant | seed | status | test/score | test/steps |", "|---|---|---|---|---|"]
+    + [f"| {v} | {s} | ok | {base + s} | 2 |" for v, base in (("a", 10), ("b", 25)) for s in (0, 1)]
+)  # fmt: skip
+EXPECTED_MD = f"# main\n\n{EXPECTED_TABLE}\n\n## Every run\n\n{EXPECTED_RUNS}\n"
+
 
 def test_sweep_writes_results_json_md_and_plots(main_sweep):
     out, records, stdout, stderr = main_sweep
@@ -535,7 +541,7 @@ def test_sweep_writes_results_json_md_and_plots(main_sweep):
     data = json.loads((out / "results.json").read_text())
     assert data["quick"] is True and data["shared_fits"] == []
     assert [RunRecord(**r) for r in data["runs"]] == records
-    assert (out / "results.md").read_text() == f"# main\n\n{EXPECTED_TABLE}\n"
+    assert (out / "results.md").read_text() == EXPECTED_MD
     assert EXPECTED_TABLE in stdout
     for name in ("test_score.png", "test_steps.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
@@ -570,6 +576,24 @@ def test_rerun_skips_finished_runs(main_sweep, monkeypatch):
         assert not old.same_run(run.record(status="ok", metrics={}))
 
 
+def test_a_rerun_reads_the_metrics_the_spec_now_wants(main_sweep, tmp_path, monkeypatch):
+    """(Before the next test edits main_sweep's runs.) Runs recorded ok were skipped whatever the spec now wanted: a metric no run logged was
+    reported as a successful sweep (a fresh sweep fails every run on it)."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(main_sweep[0], out)
+    text = (FIXTURES / "main.yaml").read_text().replace("base: base.yaml", f"base: {BASE}")
+    spec = tmp_path / "main.yaml"
+    spec.write_text(text.replace("  - test/score\n", "  - test/score\n  - test/missing\n"))
+    launched = count_launches(monkeypatch)
+    records, _, stderr = quietly(run_sweep, spec, out=out, quick=True)
+    assert launched == []  # nothing is rerun: the metrics files are read again
+    assert [r.status for r in records] == ["failed"] * 4
+    assert all("metric 'test/missing' was not logged" in r.error for r in records)
+    assert stderr.count("ran earlier, failed: metric 'test/missing'") == 4
+
+
 def test_dry_run_lines_run_and_collect_gives_the_same_table(main_sweep, monkeypatch):
     out, records, _, _ = main_sweep
     _, stdout, _ = quietly(run_sweep, FIXTURES / "main.yaml", out=out, quick=True, dry_run=True)
@@ -593,7 +617,7 @@ def test_dry_run_lines_run_and_collect_gives_the_same_table(main_sweep, monkeypa
         (r.variant, r.seed, r.status, r.metrics) for r in records
     ]
     assert all(r.wall_s is None for r in collected)
-    assert (out / "results.md").read_text() == f"# main\n\n{EXPECTED_TABLE}\n"
+    assert (out / "results.md").read_text() == EXPECTED_MD
 
     # A run whose command never ran is collected as failed, naming the missing file.
     (run_dir / "test.metrics.json").unlink()
@@ -1124,3 +1148,22 @@ def test_bad_named_grid_axis_fails_naming_the_axis_and_point(tmp_path, grid, mes
         SweepSpec.from_yaml(write_spec(tmp_path, f"grid: {grid}\n"))
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_a_typo_in_a_later_stages_overrides_fails_before_any_run(tmp_path, monkeypatch):
+    launched = count_launches(monkeypatch)
+    spec = write_spec(
+        tmp_path,
+        "variants:\n  - name: a\n    stage_overrides:\n      test: {model.init_args.scroe: 1.0}\n",
+    )
+    with pytest.raises(SweepSpecError, match=r"'a' \(test\): model: .*'scroe' is not accepted"):
+        run_sweep(spec, out=tmp_path / "out")
+    assert launched == [] and not (tmp_path / "out").exists()
+
+
+def test_two_metrics_charted_in_one_file_are_refused(tmp_path):
+    spec = write_spec(tmp_path, "variants: [{name: a}]\n").read_text()
+    spec = spec.replace("metrics: [test/score]", "metrics: [test/acc, test_acc]")
+    (tmp_path / "spec.yaml").write_text(spec)
+    with pytest.raises(SweepSpecError, match=r"'test/acc' and 'test_acc' would both be charted"):
+        SweepSpec.from_yaml(tmp_path / "spec.yaml")
