@@ -31,7 +31,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from ada_modules.callbacks import BudgetProgressBar, TrainingCurves, fit_summary
 from ada_modules.errors import InputError
@@ -58,6 +58,24 @@ def _checkpoint_folders(trainer_config: Any) -> list[str]:
         if class_path.endswith("ModelCheckpoint") and dirpath:
             folders.append(str(dirpath))
     return folders
+
+
+def _warn_if_schedule_outlasts_fit(config: Any, max_steps: int) -> None:
+    """Warn when a ``WarmupCosineLR`` decays over more steps than the fit runs (``--trainer.max_steps
+    200`` on a config whose schedule has ``total_steps: 2000`` never lowers the rate)."""
+    scheduler = getattr(getattr(config.get("model"), "init_args", None), "get", lambda _: None)(
+        "lr_scheduler"
+    )
+    if not str(getattr(scheduler, "class_path", "")).endswith("WarmupCosineLR"):
+        return
+    total = scheduler.init_args.get("total_steps")
+    if isinstance(total, int) and 0 < max_steps < total:
+        rank_zero_warn(
+            f"lr_scheduler WarmupCosineLR decays over total_steps={total}, but the fit stops at "
+            f"trainer.max_steps={max_steps}: the rate follows only the first "
+            f"{max_steps / total:.0%} of its schedule. Pass "
+            f"--model.init_args.lr_scheduler.init_args.total_steps={max_steps} as well"
+        )
 
 
 class InstantiationError(Exception):
@@ -284,6 +302,9 @@ class AdaCLI(LightningCLI):
         with open(tmp, "w") as f:
             json.dump(metrics, f, indent=2, sort_keys=True)
         os.replace(tmp, path)
+
+    def before_fit(self) -> None:
+        _warn_if_schedule_outlasts_fit(self.config.fit, self.trainer.max_steps)
 
     def after_fit(self) -> None:
         self._write_metrics()

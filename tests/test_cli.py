@@ -249,3 +249,21 @@ def test_model_arguments_given_with_a_checkpoint_file_win_over_its_hyperparamete
         used = yaml.safe_load((root / "config.yaml").read_text())["model"]["init_args"]
         assert used["eval_steps"] == steps  # the command line's, else the checkpoint's
         assert used["deformable"] is False and used["state_channels"] == 4  # the checkpoint's
+
+
+def test_a_schedule_longer_than_the_fit_is_warned_about(recwarn):
+    """README's `--trainer.max_steps 200` on the quickstart (total_steps: 2000) left the rate near
+    its peak, silently."""
+    from jsonargparse import Namespace
+
+    from ada_modules.ada_cli import _warn_if_schedule_outlasts_fit
+
+    scheduler = Namespace(
+        class_path="ada_modules.optim.WarmupCosineLR", init_args=Namespace(total_steps=2000)
+    )
+    config = Namespace(model=Namespace(init_args=Namespace(lr_scheduler=scheduler)))
+    with pytest.warns(UserWarning, match=r"total_steps=2000, but the fit stops at .*=200: .* 10%"):
+        _warn_if_schedule_outlasts_fit(config, 200)
+    for max_steps in (2000, 5000, -1):
+        _warn_if_schedule_outlasts_fit(config, max_steps)
+    assert not [w for w in recwarn if "WarmupCosineLR" in str(w.message)]
