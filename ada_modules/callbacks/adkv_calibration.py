@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from ada_modules.checks import is_finite_real, is_int
+from ada_modules.checks import is_finite_real
 from ada_modules.errors import InputError
 
 __all__ = ["ADKVCalibration"]
@@ -64,9 +64,7 @@ class ADKVCalibration(Callback):
         from ada_modules.kv.adkv import check_keyframe_period
         from ada_modules.kv.quantized_layer import check_bits
 
-        widths = (
-            [bits] if is_int(bits) else list(bits) if isinstance(bits, list | tuple) else [bits]
-        )
+        widths = list(bits) if isinstance(bits, list | tuple) else [bits]
         if not widths:
             raise InputError("bits must be a width or a non-empty list of widths, got []")
         for width in widths:

@@ -73,6 +73,10 @@ DEFAULT_BETA = {2: 0.25, 3: 0.2, 4: 0.1, 8: 0.05}
 step more slowly: their table entries are already many eighth-octaves apart)."""
 
 
+# A multiplier moves the step by eighth-octaves; the table is stored as int8 (so at most 127).
+_MULTIPLIER_RANGE = (-STEP_RESOLUTION * MAX_SEGMENT_OCTAVES, 127)
+
+
 def _check_bits(bits: object) -> int:
     if isinstance(bits, bool) or not isinstance(bits, Integral) or bits not in SUPPORTED_BITS:
         raise InputError(f"bits must be one of {SUPPORTED_BITS} (an int), got {bits!r}")
@@ -172,7 +176,7 @@ class ADKVParams:
         bits = _check_bits(bits)
         if not (is_finite_real(alpha) and 0 < alpha <= 1):
             raise InputError(f"alpha must lie in (0, 1], got {alpha!r}")
-        low, high = -STEP_RESOLUTION * MAX_SEGMENT_OCTAVES, 127  # the table is stored as int8
+        low, high = _MULTIPLIER_RANGE
         if isinstance(multipliers, str) or not all(is_int(m) for m in multipliers):
             raise InputError(f"multipliers must be a list of integers, got {multipliers!r}")
         if not all(low <= m <= high for m in multipliers):
@@ -215,7 +219,7 @@ class ADKVParams:
         rounded = table.round().to(torch.int64)
         rounded[0] = min(int(rounded[0]), 0)
         rounded[-1] = max(int(rounded[-1]), 0)
-        low, high = -STEP_RESOLUTION * MAX_SEGMENT_OCTAVES, 127
+        low, high = _MULTIPLIER_RANGE
         if not bool(((low <= rounded) & (rounded <= high)).all()):
             raise InputError(
                 f"kappa={kappa!r} with beta={beta!r} gives step multipliers {rounded.tolist()} "
